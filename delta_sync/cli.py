@@ -1,0 +1,107 @@
+"""The `delta-sync` command line: inspect a file, verify a bucket."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from .errors import DeltaSyncError
+from .format import Anchor, Delta, read_file
+from .verify import verify_bucket
+
+__all__ = ["main"]
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    file = read_file(args.file)
+    header = file.header
+    if isinstance(file, Delta):
+        per_tensor = {
+            name: {"changed": len(change), "numel": _numel(header.shapes[name])} for name, change in file.changes.items()
+        }
+    else:
+        assert isinstance(file, Anchor)
+        per_tensor = {name: {"changed": _numel(shape), "numel": _numel(shape)} for name, shape in header.shapes.items()}
+    for entry in per_tensor.values():
+        entry["sparsity"] = 1.0 - entry["changed"] / entry["numel"] if entry["numel"] else 1.0
+    summary = {
+        "file": str(args.file),
+        "kind": header.kind,
+        "version": header.version,
+        "base_version": header.base_version,
+        "anchor_version": header.anchor_version,
+        "encoding": header.encoding,
+        "run_id": header.run_id,
+        "changed_elements": header.changed_elements,
+        "total_elements": header.total_elements,
+        "sparsity": header.sparsity,
+        "model_checksum": header.model_checksum,
+        "tensors": per_tensor,
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    base = f" on top of v{header.base_version}" if header.base_version is not None else ""
+    print(f"{args.file}: {header.kind} v{header.version}{base}, anchor v{header.anchor_version}, encoding {header.encoding}")
+    print(f"run {header.run_id}, model checksum {header.model_checksum}")
+    width = max((len(name) for name in per_tensor), default=4)
+    print(f"{'tensor':<{width}}  {'changed':>12}  {'elements':>12}  {'sparsity':>9}")
+    for name, entry in sorted(per_tensor.items()):
+        print(f"{name:<{width}}  {entry['changed']:>12,}  {entry['numel']:>12,}  {entry['sparsity']:>9.4%}")
+    print(
+        f"{'total':<{width}}  {header.changed_elements:>12,}  {header.total_elements:>12,}  {header.sparsity:>9.4%}"
+    )
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    report = verify_bucket(args.bucket)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        for step in report.steps:
+            print(f"{'ok  ' if step.ok else 'FAIL'}  {step.path}: {step.message}")
+        verdict = "passed" if report.ok else "FAILED"
+        print(f"{report.bucket}: verification {verdict} (latest v{report.latest_version}, replayed v{report.replayed_version})")
+    return 0 if report.ok else 1
+
+
+def _numel(shape: Sequence[int]) -> int:
+    total = 1
+    for dim in shape:
+        total *= dim
+    return total
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="delta-sync", description="Bit-exact delta weight sync: tools.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what happens")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    inspect = commands.add_parser("inspect", help="describe an anchor or delta file")
+    inspect.add_argument("file", help="path of a .safetensors anchor or delta")
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    inspect.set_defaults(run=_inspect)
+
+    verify = commands.add_parser("verify", help="replay a bucket's anchors and deltas and check each file")
+    verify.add_argument("bucket", help="bucket URL or local directory")
+    verify.add_argument("--json", action="store_true", help="print JSON instead of text")
+    verify.set_defaults(run=_verify)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        return args.run(args)
+    except DeltaSyncError as exc:
+        print(f"delta-sync: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Exception classes raised by delta-sync.
+
+Every error names the file, tensor, bucket or field at fault. All of them derive from
+[`DeltaSyncError`], so `except DeltaSyncError` catches anything this library raises on
+purpose.
+"""
+
+from __future__ import annotations
+
+
+class DeltaSyncError(Exception):
+    """Base class of every error raised by delta-sync."""
+
+
+class FormatError(DeltaSyncError):
+    """A file is not a well-formed delta-sync anchor or delta.
+
+    Raised for unreadable safetensors, missing or malformed metadata, tensors with the
+    wrong dtype or rank, indices that are unsorted or out of range, and payloads whose
+    digest does not match the one recorded in the file.
+    """
+
+
+class IntegrityError(DeltaSyncError):
+    """Applying a file would not reproduce the trainer's weights bit for bit.
+
+    Raised when a recomputed checksum differs from the one the trainer recorded. Nothing
+    has been applied when this is raised.
+    """
+
+
+class ApplyError(DeltaSyncError):
+    """A well-formed file cannot be applied to the weights held by a receiver.
+
+    Examples: a parameter name the receiver does not hold, a shape that differs from the
+    held tensor's, or a file from another training run. Nothing has been applied when
+    this is raised.
+    """
+
+
+class BaseVersionError(ApplyError):
+    """A delta was made against a version other than the one the receiver holds."""
+
+    def __init__(self, message: str, *, held: int | None, base: int | None) -> None:
+        super().__init__(message)
+        self.held = held
+        self.base = base
+
+
+class BucketError(DeltaSyncError):
+    """A storage operation failed permanently (after any retries)."""
+
+
+class BucketPathError(BucketError, ValueError):
+    """A path inside a bucket is empty, absolute, or escapes the bucket's prefix."""
+
+
+class BucketFileNotFoundError(BucketError, FileNotFoundError):
+    """The requested file does not exist in the bucket."""
+
+
+class BucketNotFoundError(BucketError):
+    """The bucket itself does not exist."""
+
+
+class BucketPermissionError(BucketError, PermissionError):
+    """The credentials in use may not read or write the bucket."""
+
+
+class UntrustedBucketError(ApplyError):
+    """A receiver was asked to load weights from a bucket it is not configured to trust."""
+
+
+class PublishError(DeltaSyncError):
+    """A background publish failed; raised at the next publish, flush or close."""

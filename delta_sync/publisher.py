@@ -1,0 +1,427 @@
+"""`Publisher`: turns a detector's changes into anchors, deltas and `latest.json` in a bucket."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .detector import BF16ChangeDetector, ChangeSet
+from .errors import DeltaSyncError, PublishError
+from .format import FileHeader, write_anchor, write_delta
+from .integrity import model_checksum, tensor_checksum, updated_checksum
+from .layout import LATEST, Latest, anchor_path, delta_path, parse_step_path, step_versions
+from .storage import Bucket, open_bucket
+
+__all__ = ["PublishReport", "Publisher"]
+
+logger = logging.getLogger("delta_sync")
+
+
+@dataclass(frozen=True)
+class PublishReport:
+    """What one publish stored.
+
+    Args:
+        version: The published version.
+        files: Bucket paths written, in order (`latest.json` excluded).
+        delta: Path of the delta, or None for an anchor-only version.
+        anchor: Path of the anchor written at this version, or None.
+        changed_elements: Elements that differ from the previous version.
+        total_elements: Elements in the model.
+        bytes_written: Bytes of all files written, `latest.json` included.
+        delta_bytes: Bytes of the delta file (0 for an anchor-only version).
+        steps: Optimizer steps folded into this version.
+        detect_seconds: Time the training thread spent detecting and extracting changes.
+        publish_seconds: Time spent encoding, writing and uploading (in the background
+            when the publisher is asynchronous).
+        model_checksum: Digest of the published weights.
+    """
+
+    version: int
+    files: tuple[str, ...]
+    delta: str | None
+    anchor: str | None
+    changed_elements: int
+    total_elements: int
+    bytes_written: int
+    delta_bytes: int
+    steps: int
+    detect_seconds: float
+    publish_seconds: float
+    model_checksum: str
+
+    @property
+    def kind(self) -> str:
+        return "+".join(kind for kind, path in (("delta", self.delta), ("anchor", self.anchor)) if path)
+
+    @property
+    def sparsity(self) -> float:
+        return 1.0 - self.changed_elements / self.total_elements if self.total_elements else 1.0
+
+
+@dataclass
+class _Job:
+    version: int
+    change_set: ChangeSet
+    write_delta: bool
+    write_anchor: bool
+    detect_seconds: float
+    holds_snapshot_lock: bool
+
+
+class Publisher:
+    """Writes every version of a model's weights to a bucket as an anchor or a delta.
+
+    Version by version: the first version published is an anchor (full bf16 weights);
+    every later version has a delta against the version before it, so a replica that
+    keeps up never downloads the full model again; and every `anchor_every` versions an
+    anchor of the same version is written as well, for replicas that join late or lose
+    their place. `latest.json` moves to a version only after all of its files are stored.
+    Only the newest `keep_anchors` anchors are kept, with the deltas that follow them.
+
+    With `background=True` (the default) encoding and uploading run on a worker thread
+    so the next training step overlaps them; versions are still stored strictly in
+    order, and at most `max_pending` versions wait. A failure is raised as
+    [`PublishError`] by the next [`publish`], [`flush`] or [`close`]; versions queued
+    behind a failed one are dropped, and the next version published after the error
+    is written as an anchor so replicas can recover.
+
+    Args:
+        bucket: Where to write: a [`Bucket`] or a URL (`./dir`, `file://...`).
+        detector: The change detector of the model being trained.
+        anchor_every: Write an anchor every this many versions (and at the first).
+        keep_anchors: How many anchors to keep; older anchors and the deltas before the
+            oldest kept anchor are deleted.
+        background: Encode and upload on a worker thread.
+        max_pending: Versions that may wait for the worker before `publish` blocks.
+        run_id: Identifier of this training run, recorded in every file; random by default.
+        on_published: Called (on the worker thread) with each [`PublishReport`] after its
+            files and `latest.json` are stored.
+        overwrite: If the bucket prefix already holds another run's files, delete them
+            (otherwise that is an error: runs must not share a prefix). A run resumed
+            with the same `run_id` continues in place.
+
+    Example:
+        ```python
+        >>> detector = BF16ChangeDetector(model, optimizer)
+        >>> publisher = Publisher("./deltas", detector)
+        >>> for step in range(1, 101):
+        ...     train_step()
+        ...     publisher.publish(version=step)
+        >>> publisher.close()
+        ```
+    """
+
+    def __init__(
+        self,
+        bucket: Bucket | str | os.PathLike,
+        detector: BF16ChangeDetector,
+        *,
+        anchor_every: int = 10,
+        keep_anchors: int = 2,
+        background: bool = True,
+        max_pending: int = 2,
+        run_id: str | None = None,
+        on_published: Iterable[Callable[[PublishReport], None]] = (),
+        overwrite: bool = False,
+    ) -> None:
+        if anchor_every < 1:
+            raise ValueError(f"anchor_every must be >= 1, got {anchor_every}")
+        if keep_anchors < 1:
+            raise ValueError(f"keep_anchors must be >= 1, got {keep_anchors}")
+        self.bucket = open_bucket(bucket)
+        self.detector = detector
+        self.anchor_every = anchor_every
+        self.keep_anchors = keep_anchors
+        self.run_id = run_id or uuid.uuid4().hex[:12]
+        self.on_published = list(on_published)
+        self._claim_prefix(overwrite)
+        self._staging = Path(tempfile.mkdtemp(prefix="delta-sync-staging-"))
+        # Worker-side state: touched only by whichever thread runs jobs, one at a time.
+        self._checksums: dict[str, int] = {}
+        self._stored_version: int | None = None
+        self._anchor_version: int | None = None
+        # Caller-side state.
+        self._last_version: int | None = None
+        self._since_anchor = 0
+        self._needs_anchor = True
+        self._error: BaseException | None = None
+        self._error_lock = threading.Lock()
+        self.reports: list[PublishReport] = []
+        self._queue: queue.Queue[_Job | None] | None = None
+        self._worker: threading.Thread | None = None
+        if background:
+            self._queue = queue.Queue(maxsize=max(1, max_pending))
+            self._worker = threading.Thread(target=self._run_worker, name="delta-sync-publisher", daemon=True)
+            self._worker.start()
+
+    def _claim_prefix(self, overwrite: bool) -> None:
+        existing = [path for path in self.bucket.list() if path == LATEST or parse_step_path(path)]
+        if not existing:
+            return
+        try:
+            owner = Latest.from_json(self.bucket.read_bytes(LATEST)).run_id
+        except DeltaSyncError:
+            owner = None
+        if owner == self.run_id:
+            return
+        if not overwrite:
+            raise PublishError(
+                f"{self.bucket.url} already holds {len(existing)} file(s) of run {owner or 'unknown'}; "
+                "use another prefix, pass the same run_id to resume that run, or overwrite=True to delete them"
+            )
+        logger.warning("delta-sync: deleting %d file(s) of run %s from %s", len(existing), owner, self.bucket.url)
+        self.bucket.delete([path for path in existing if path != LATEST])
+        self.bucket.delete([LATEST])
+
+    # -- caller side -----------------------------------------------------------------
+
+    @property
+    def last_version(self) -> int | None:
+        """The last version handed to [`publish`]."""
+        return self._last_version
+
+    def publish(self, version: int) -> None:
+        """Publish the model's current weights as `version`.
+
+        Args:
+            version: Must be greater than every version published before.
+
+        Raises:
+            PublishError: An earlier background publish failed.
+            ValueError: `version` does not increase.
+        """
+        self._raise_pending_error()
+        if self._last_version is not None and version <= self._last_version:
+            raise ValueError(f"version {version} must be greater than the last published {self._last_version}")
+        started = time.perf_counter()
+        change_set = self.detector.changes()
+        write_anchor = self._needs_anchor or self._since_anchor + 1 >= self.anchor_every
+        write_delta = not self._needs_anchor
+        if write_anchor:
+            # The anchor is written from the detector's snapshot; hold it until then so the
+            # next `changes()` cannot move it to a later version first.
+            self.detector.snapshot_lock.acquire()
+        job = _Job(
+            version=version,
+            change_set=change_set,
+            write_delta=write_delta,
+            write_anchor=write_anchor,
+            detect_seconds=time.perf_counter() - started,
+            holds_snapshot_lock=write_anchor,
+        )
+        self._last_version = version
+        self._since_anchor = 0 if write_anchor else self._since_anchor + 1
+        self._needs_anchor = False
+        if self._queue is None:
+            self._run_job(job)
+            self._raise_pending_error()
+        else:
+            self._queue.put(job)
+
+    def flush(self) -> None:
+        """Wait until every published version is stored; raise [`PublishError`] if one failed."""
+        if self._queue is not None:
+            self._queue.join()
+        self._raise_pending_error()
+
+    def close(self) -> None:
+        """Flush, stop the worker and remove staging files. Raises a pending [`PublishError`]."""
+        try:
+            self.flush()
+        finally:
+            if self._queue is not None and self._worker is not None and self._worker.is_alive():
+                self._queue.put(None)
+                self._worker.join()
+            shutil.rmtree(self._staging, ignore_errors=True)
+
+    def _raise_pending_error(self) -> None:
+        with self._error_lock:
+            error, self._error = self._error, None
+        if error is not None:
+            self._needs_anchor = True
+            raise PublishError(f"publishing to {self.bucket.url} failed: {error}") from error
+
+    # -- worker side -----------------------------------------------------------------
+
+    def _run_worker(self) -> None:
+        assert self._queue is not None
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                if self._error is not None:
+                    logger.error("delta-sync: version %d dropped after an earlier publish failure", job.version)
+                    if job.holds_snapshot_lock:
+                        self.detector.snapshot_lock.release()
+                    continue
+                self._run_job(job)
+            finally:
+                self._queue.task_done()
+
+    def _run_job(self, job: _Job) -> None:
+        started = time.perf_counter()
+        try:
+            report = self._store(job, started)
+        except BaseException as exc:  # reported to the training thread, never dropped
+            logger.error("delta-sync: publishing version %d to %s failed: %s", job.version, self.bucket.url, exc)
+            with self._error_lock:
+                self._error = exc
+            return
+        finally:
+            if job.holds_snapshot_lock:
+                job.holds_snapshot_lock = False
+                self.detector.snapshot_lock.release()
+        self.reports.append(report)
+        logger.info(
+            "delta-sync: v%d %s: %d changed (sparsity %.4f%%), %s in %.3f s",
+            report.version,
+            report.kind,
+            report.changed_elements,
+            100 * report.sparsity,
+            _human_bytes(report.bytes_written),
+            report.detect_seconds + report.publish_seconds,
+        )
+        for callback in self.on_published:
+            callback(report)
+
+    def _store(self, job: _Job, started: float) -> PublishReport:
+        change_set = job.change_set
+        files: list[str] = []
+        written = delta_bytes = 0
+        delta = anchor = None
+        if job.write_delta:
+            delta = delta_path(job.version)
+            delta_bytes = self._store_delta(job.version, change_set, delta)
+            written += delta_bytes
+            files.append(delta)
+        if job.write_anchor:
+            anchor = anchor_path(job.version)
+            written += self._store_anchor(job.version, anchor, check_chain=job.write_delta)
+            files.append(anchor)
+            # The snapshot is no longer needed: let training move on before the uploads end.
+            job.holds_snapshot_lock = False
+            self.detector.snapshot_lock.release()
+        checksum = model_checksum(self._checksums)
+        latest = Latest(
+            version=job.version,
+            anchor_version=self._anchor_version,
+            anchor=anchor_path(self._anchor_version),
+            delta=delta,
+            model_checksum=checksum,
+            run_id=self.run_id,
+        ).to_json()
+        self.bucket.upload(LATEST, latest)
+        written += len(latest)
+        self._stored_version = job.version
+        if anchor is not None:
+            self._apply_retention()
+        return PublishReport(
+            version=job.version,
+            files=tuple(files),
+            delta=delta,
+            anchor=anchor,
+            changed_elements=change_set.changed_elements,
+            total_elements=change_set.total_elements,
+            bytes_written=written,
+            delta_bytes=delta_bytes,
+            steps=change_set.steps,
+            detect_seconds=job.detect_seconds,
+            publish_seconds=time.perf_counter() - started,
+            model_checksum=checksum,
+        )
+
+    def _store_delta(self, version: int, change_set: ChangeSet, path: str) -> int:
+        assert self._stored_version is not None and self._anchor_version is not None
+        base_checksums = {name: self._checksums[name] for name in change_set.changes}
+        new_checksums = {
+            name: updated_checksum(base_checksums[name], change.indices, change_set.old_values[name], change.values)
+            for name, change in change_set.changes.items()
+        }
+        self._checksums.update(new_checksums)
+        header = FileHeader(
+            source=path,
+            kind="delta",
+            version=version,
+            base_version=self._stored_version,
+            anchor_version=self._anchor_version,
+            encoding="raw",
+            run_id=self.run_id,
+            shapes={name: change_set.shapes[name] for name in change_set.changes},
+            checksums=new_checksums,
+            base_checksums=base_checksums,
+            model_checksum=model_checksum(self._checksums),
+            changed_elements=change_set.changed_elements,
+            total_elements=change_set.total_elements,
+        )
+        return self._write_and_upload(path, lambda dest: write_delta(dest, change_set.changes, header))
+
+    def _store_anchor(self, version: int, path: str, *, check_chain: bool) -> int:
+        tensors = {name: tensor.cpu() for name, tensor in self.detector.snapshot.items()}
+        checksums = {name: tensor_checksum(tensor) for name, tensor in tensors.items()}
+        # With a delta of the same version just written, the checksums kept up delta by
+        # delta must equal those of the weights: a free end-to-end check of the chain.
+        if check_chain and checksums != self._checksums:
+            drifted = sorted(name for name in checksums if checksums[name] != self._checksums.get(name))
+            raise PublishError(
+                f"version {version}: checksums kept up by deltas disagree with the weights for {drifted[:5]}; "
+                "the delta chain would not reproduce the model"
+            )
+        self._checksums = checksums
+        self._anchor_version = version
+        total = sum(t.numel() for t in tensors.values())
+        header = FileHeader(
+            source=path,
+            kind="anchor",
+            version=version,
+            base_version=None,
+            anchor_version=version,
+            encoding="dense",
+            run_id=self.run_id,
+            shapes={name: tuple(t.shape) for name, t in tensors.items()},
+            checksums=checksums,
+            base_checksums={},
+            model_checksum=model_checksum(checksums),
+            changed_elements=total,
+            total_elements=total,
+        )
+        return self._write_and_upload(path, lambda dest: write_anchor(dest, tensors, header))
+
+    def _write_and_upload(self, path: str, write: Callable[[Path], None]) -> int:
+        staged = self._staging / path.replace("/", "_")
+        try:
+            write(staged)
+            size = staged.stat().st_size
+            self.bucket.upload(path, staged)
+        finally:
+            staged.unlink(missing_ok=True)
+        return size
+
+    def _apply_retention(self) -> None:
+        anchors = step_versions(self.bucket.list("anchors"), "anchor")
+        if len(anchors) <= self.keep_anchors:
+            return
+        oldest_kept = anchors[-self.keep_anchors]
+        doomed = [anchor_path(v) for v in anchors if v < oldest_kept]
+        doomed += [delta_path(v) for v in step_versions(self.bucket.list("deltas"), "delta") if v <= oldest_kept]
+        self.bucket.delete(doomed)
+        logger.info("delta-sync: retention removed %d file(s) older than anchor v%d", len(doomed), oldest_kept)
+
+
+def _human_bytes(size: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1024 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TB"
+

@@ -1,0 +1,104 @@
+"""`LocalBucket`: a directory on a local or shared filesystem; the embedded default."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from ..errors import BucketFileNotFoundError
+from .base import Bucket, clean_path
+
+__all__ = ["LocalBucket"]
+
+
+class LocalBucket(Bucket):
+    """A bucket stored in a local directory.
+
+    Writes go to a temporary file in the destination's directory and are renamed into
+    place, so readers never see a partial file, even on a shared filesystem.
+
+    Args:
+        root: A directory path or a `file://` URL. Created on first write.
+
+    Example:
+        ```python
+        >>> bucket = LocalBucket("./deltas")
+        >>> bucket.upload("latest.json", b"{}")
+        >>> bucket.list()
+        ['latest.json']
+        ```
+    """
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        root = os.fspath(root)
+        if root.startswith("file://"):
+            parsed = urlparse(root)
+            root = unquote(parsed.netloc + parsed.path)
+        self.root = Path(root).expanduser().resolve()
+        self.url = self.root.as_uri()
+
+    def _file(self, path: str) -> Path:
+        return self.root / clean_path(path)
+
+    def local_path(self, path: str) -> Path | None:
+        return self._file(path)
+
+    def upload(self, path: str, source: bytes | os.PathLike) -> None:
+        dest = self._file(path)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                if isinstance(source, (bytes, bytearray, memoryview)):
+                    out.write(source)
+                else:
+                    with open(source, "rb") as src:
+                        shutil.copyfileobj(src, out, length=16 << 20)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, dest)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def download(self, path: str, dest: os.PathLike) -> None:
+        src = self._file(path)
+        dest = Path(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+        os.close(fd)
+        try:
+            try:
+                shutil.copyfile(src, tmp)
+            except FileNotFoundError:
+                raise BucketFileNotFoundError(f"{self.url}: no file {path!r}") from None
+            os.replace(tmp, dest)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def read_bytes(self, path: str) -> bytes:
+        try:
+            return self._file(path).read_bytes()
+        except FileNotFoundError:
+            raise BucketFileNotFoundError(f"{self.url}: no file {path!r}") from None
+
+    def list(self, prefix: str = "") -> list[str]:
+        base = self._file(prefix) if prefix else self.root
+        if not base.is_dir():
+            return []
+        found = []
+        for dirpath, _, filenames in os.walk(base):
+            for filename in filenames:
+                if filename.startswith(".") and filename.endswith(".tmp"):
+                    continue
+                found.append((Path(dirpath) / filename).relative_to(self.root).as_posix())
+        return sorted(found)
+
+    def delete(self, paths: Iterable[str]) -> None:
+        for path in paths:
+            self._file(path).unlink(missing_ok=True)

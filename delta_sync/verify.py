@@ -1,0 +1,141 @@
+"""`verify_bucket`: replay a bucket's chain of anchors and deltas and check every file."""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from .errors import DeltaSyncError
+from .format import Anchor, read_file
+from .layout import LATEST, Latest, anchor_path, delta_path, step_versions
+from .receiver import Receiver
+from .storage import Bucket, open_bucket
+from .storage.cache import DownloadCache
+
+__all__ = ["VerifyReport", "VerifyStep", "verify_bucket"]
+
+
+@dataclass(frozen=True)
+class VerifyStep:
+    """One check: `path` is the file (or `latest.json`), `ok` whether it passed."""
+
+    path: str
+    ok: bool
+    message: str
+
+
+@dataclass
+class VerifyReport:
+    """The result of [`verify_bucket`]."""
+
+    bucket: str
+    steps: list[VerifyStep] = field(default_factory=list)
+    latest_version: int | None = None
+    replayed_version: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.steps) and all(step.ok for step in self.steps)
+
+    def add(self, path: str, ok: bool, message: str) -> None:
+        self.steps.append(VerifyStep(path, ok, message))
+
+    def to_dict(self) -> dict:
+        return {
+            "bucket": self.bucket,
+            "ok": self.ok,
+            "latest_version": self.latest_version,
+            "replayed_version": self.replayed_version,
+            "steps": [step.__dict__ for step in self.steps],
+        }
+
+
+def verify_bucket(bucket: Bucket | str, *, progress: bool | None = None) -> VerifyReport:
+    """Replay the chain from the oldest kept anchor and check every file on the way.
+
+    Every delta must apply on top of the version before it with matching checksums; every
+    later anchor must equal the replayed state bit for bit; `latest.json` must name the
+    last version reached and its checksum.
+
+    Args:
+        bucket: The bucket or its URL.
+        progress: Show a progress bar; by default only on a terminal.
+
+    Returns:
+        A [`VerifyReport`]; `report.ok` is False if any check failed.
+    """
+    opened = open_bucket(bucket)
+    report = VerifyReport(bucket=opened.url)
+    try:
+        latest = Latest.from_json(opened.read_bytes(LATEST), source=f"{opened.url}/{LATEST}")
+        report.latest_version = latest.version
+    except DeltaSyncError as exc:
+        report.add(LATEST, False, str(exc))
+        latest = None
+    anchors = step_versions(opened.list("anchors"), "anchor")
+    deltas = step_versions(opened.list("deltas"), "delta")
+    if not anchors:
+        report.add("anchors/", False, "no anchor in the bucket")
+        return report
+    with tempfile.TemporaryDirectory(prefix="delta-sync-verify-") as cache_dir:
+        receiver = Receiver(cache=DownloadCache(cache_dir))
+        versions = sorted({v for v in anchors + deltas if v >= anchors[0]})
+        for version in tqdm(versions, desc="verify", unit="version", disable=_progress_off(progress)):
+            if version == anchors[0]:
+                _check(report, receiver, opened, anchor_path(version), "anchor loads and matches its checksums")
+                continue
+            if version in deltas:
+                _check(report, receiver, opened, delta_path(version), "delta applies with matching checksums")
+            if version in anchors:
+                _compare_anchor(report, receiver, opened, version)
+        report.replayed_version = receiver.version
+        if latest is not None:
+            ok = receiver.version == latest.version and receiver.model_checksum == latest.model_checksum
+            report.add(
+                LATEST,
+                ok,
+                f"names version {latest.version}"
+                + ("" if ok else f", but the replay reached {receiver.version} with checksum {receiver.model_checksum}"),
+            )
+    return report
+
+
+def _check(report: VerifyReport, receiver: Receiver, bucket: Bucket, path: str, message: str) -> bool:
+    try:
+        receiver.apply(read_file(receiver.cache.fetch(bucket, path), source=f"{bucket.url}/{path}"))
+    except DeltaSyncError as exc:
+        report.add(path, False, str(exc))
+        return False
+    report.add(path, True, message)
+    return True
+
+
+def _compare_anchor(report: VerifyReport, receiver: Receiver, bucket: Bucket, version: int) -> None:
+    path = anchor_path(version)
+    try:
+        anchor = read_file(receiver.cache.fetch(bucket, path), source=f"{bucket.url}/{path}")
+    except DeltaSyncError as exc:
+        report.add(path, False, str(exc))
+        return
+    assert isinstance(anchor, Anchor)
+    if receiver.version != version or receiver.run_id != anchor.header.run_id:
+        # The chain broke before this anchor (e.g. a failed upload); it restarts here.
+        _check(report, receiver, bucket, path, "anchor restarts the chain")
+        return
+    differing = [
+        name
+        for name, tensor in anchor.items()
+        if name not in receiver.weights
+        or not torch.equal(tensor.view(torch.int16), receiver.weights[name].view(torch.int16))
+    ]
+    if differing or set(anchor.header.names) != set(receiver.weights):
+        report.add(path, False, f"differs from the replayed state in {differing[:5] or 'its parameter set'}")
+    else:
+        report.add(path, True, "equals the replayed state bit for bit")
+
+
+def _progress_off(progress: bool | None) -> bool | None:
+    return None if progress is None else not progress

@@ -1,0 +1,154 @@
+"""Publisher: anchor/delta schedule, latest.json, retention, background failures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import PublishedRun, TwoTower, assert_bit_exact, bf16_state, replica_receiver, train_step
+from delta_sync import BF16ChangeDetector, Latest, PublishError, Publisher, read_file
+from delta_sync.layout import step_versions
+
+
+def listing(root) -> tuple[list[int], list[int]]:
+    files = [p.relative_to(root).as_posix() for p in root.rglob("*.safetensors")]
+    return step_versions(files, "anchor"), step_versions(files, "delta")
+
+
+def test_schedule_first_anchor_then_deltas_with_periodic_anchors(tmp_path):
+    run = PublishedRun(tmp_path, versions=7, anchor_every=3, keep_anchors=10)
+    anchors, deltas = listing(tmp_path)
+    assert anchors == [1, 4, 7]
+    assert deltas == [2, 3, 4, 5, 6, 7]  # every version after the first has a delta
+    kinds = [report.kind for report in run.publisher.reports]
+    assert kinds == ["anchor", "delta", "delta", "delta+anchor", "delta", "delta", "delta+anchor"]
+    latest = Latest.from_json((tmp_path / "latest.json").read_bytes())
+    assert (latest.version, latest.anchor_version) == (7, 7)
+    assert latest.delta == "deltas/step_00000007.safetensors"
+    header = read_file(tmp_path / latest.delta).header
+    assert (header.base_version, header.version, header.run_id) == (6, 7, run.publisher.run_id)
+    assert latest.model_checksum == header.model_checksum
+    run.close()
+
+
+def test_anchor_equals_the_trainer_state_and_deltas_chain_to_it(tmp_path):
+    run = PublishedRun(tmp_path, versions=4, anchor_every=3, keep_anchors=10)
+    anchor = read_file(tmp_path / "anchors/step_00000004.safetensors")
+    assert_bit_exact(run.states[4], dict(anchor.items()))
+    delta = read_file(tmp_path / "deltas/step_00000004.safetensors")
+    assert delta.header.model_checksum == anchor.header.model_checksum
+    run.close()
+
+
+def test_retention_keeps_newest_anchors_and_what_follows_them(tmp_path):
+    run = PublishedRun(tmp_path, versions=10, anchor_every=3, keep_anchors=2)
+    anchors, deltas = listing(tmp_path)
+    assert anchors == [7, 10]
+    assert deltas == [8, 9, 10]
+    # Everything a replica needs is still there: a late joiner and one at v7 both converge.
+    late, late_replica = replica_receiver()
+    assert late.update(tmp_path).version == 10
+    assert_bit_exact(run.states[10], bf16_state(late_replica))
+    run.close()
+
+
+def test_empty_delta_when_nothing_changed(tmp_path):
+    torch.manual_seed(0)
+    model = TwoTower()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with BF16ChangeDetector(model, optimizer) as detector:
+        publisher = Publisher(tmp_path, detector, background=False)
+        train_step(model, optimizer, seed=0)
+        publisher.publish(1)
+        publisher.publish(2)  # no optimizer step in between
+        publisher.close()
+    delta = read_file(tmp_path / "deltas/step_00000002.safetensors")
+    assert delta.changes == {} and delta.header.sparsity == 1.0
+    receiver, replica = replica_receiver()
+    assert receiver.update(tmp_path).version == 2
+
+
+def test_versions_must_increase(tmp_path):
+    run = PublishedRun(tmp_path, versions=2)
+    with pytest.raises(ValueError, match="must be greater than the last published 2"):
+        run.publisher.publish(2)
+    run.close()
+
+
+def test_background_publishing_stores_every_version_in_order(tmp_path):
+    torch.manual_seed(0)
+    model = TwoTower()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    detector = BF16ChangeDetector(model, optimizer)
+    seen = []
+    publisher = Publisher(tmp_path, detector, anchor_every=4, on_published=[lambda r: seen.append(r.version)])
+    states = {}
+    for version in range(1, 10):
+        train_step(model, optimizer, seed=version)
+        publisher.publish(version)
+        states[version] = bf16_state(model)
+    publisher.close()
+    assert seen == list(range(1, 10))
+    receiver, replica = replica_receiver()
+    assert receiver.update(tmp_path).version == 9
+    assert_bit_exact(states[9], bf16_state(replica))
+
+
+def test_failure_is_raised_at_the_next_publish_and_the_next_version_is_an_anchor(tmp_path):
+    torch.manual_seed(0)
+    model = TwoTower()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    detector = BF16ChangeDetector(model, optimizer)
+    publisher = Publisher(tmp_path, detector, anchor_every=100)
+    train_step(model, optimizer, seed=1)
+    publisher.publish(1)
+    publisher.flush()
+    # A real storage fault: a plain file sits where the deltas directory should be.
+    (tmp_path / "deltas").write_text("not a directory")
+    train_step(model, optimizer, seed=2)
+    publisher.publish(2)
+    train_step(model, optimizer, seed=3)
+    with pytest.raises(PublishError, match="publishing to .* failed"):
+        publisher.publish(3)
+    (tmp_path / "deltas").unlink()
+    assert json.loads((tmp_path / "latest.json").read_text())["version"] == 1  # never moved past the gap
+    publisher.publish(3)
+    publisher.close()
+    assert publisher.reports[-1].kind == "anchor" and publisher.reports[-1].version == 3
+    receiver, replica = replica_receiver()
+    assert receiver.update(tmp_path).version == 3
+    assert_bit_exact(bf16_state(model), bf16_state(replica))
+
+
+def test_failure_is_raised_on_close(tmp_path):
+    torch.manual_seed(0)
+    model = TwoTower()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    detector = BF16ChangeDetector(model, optimizer)
+    publisher = Publisher(tmp_path / "bucket", detector)
+    (tmp_path / "bucket").write_text("a file, not a directory")
+    train_step(model, optimizer, seed=1)
+    publisher.publish(1)
+    with pytest.raises(PublishError):
+        publisher.close()
+
+
+def test_a_prefix_holding_another_run_is_refused_unless_overwritten(tmp_path):
+    first = PublishedRun(tmp_path, versions=3)
+    first.close()
+    torch.manual_seed(1)
+    model = TwoTower()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    detector = BF16ChangeDetector(model, optimizer)
+    with pytest.raises(PublishError, match=f"already holds .* of run {first.publisher.run_id}"):
+        Publisher(tmp_path, detector)
+    # Resuming the same run is fine; overwrite deletes the old run's files.
+    Publisher(tmp_path, detector, run_id=first.publisher.run_id).close()
+    publisher = Publisher(tmp_path, detector, overwrite=True, background=False)
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == []
+    train_step(model, optimizer, seed=0)
+    publisher.publish(1)
+    publisher.close()
+    assert Latest.from_json((tmp_path / "latest.json").read_bytes()).run_id == publisher.run_id

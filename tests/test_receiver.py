@@ -1,0 +1,272 @@
+"""Receiver: applies anchors and deltas bit-exactly and refuses bad input without touching anything."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import assert_bit_exact, bf16_state, replica_receiver
+from delta_sync import (
+    ApplyError,
+    BaseVersionError,
+    BucketPathError,
+    Delta,
+    FormatError,
+    IntegrityError,
+    SparseChange,
+    UntrustedBucketError,
+    anchor_path,
+    delta_path,
+    read_file,
+)
+from delta_sync.format import write_delta
+
+
+def test_catch_up_then_follow_file_by_file(run):
+    receiver, replica = replica_receiver()
+    result = receiver.update(run.root)
+    assert result.version == 5
+    assert [p.rsplit("/", 2)[-2:] for p in result.applied] == [
+        ["anchors", "step_00000004.safetensors"], ["deltas", "step_00000005.safetensors"]]
+    assert_bit_exact(run.states[5], bf16_state(replica))
+    for _ in range(3):
+        version = run.step()
+        result = receiver.update(run.root, delta_path(version))
+        assert result.version == version and result.changed_elements > 0
+        assert_bit_exact(run.states[version], bf16_state(replica))
+        assert_bit_exact(run.states[version], receiver.weights)
+    assert receiver.model_checksum == json.loads((run.root / "latest.json").read_text())["model_checksum"]
+
+
+def test_resending_a_held_version_is_a_noop(run):
+    receiver, replica = replica_receiver()
+    receiver.update(run.root)
+    calls = []
+    receiver.load_weights = calls.append
+    assert receiver.update(run.root, delta_path(5)).noop
+    assert receiver.update(run.root, anchor_path(4)).noop
+    assert receiver.update(run.root).noop
+    assert calls == []
+
+
+def test_catch_up_chains_deltas_from_the_held_version(run):
+    receiver, replica = replica_receiver()
+    receiver.update(run.root, anchor_path(1))
+    receiver.update(run.root, delta_path(2))
+    result = receiver.update(run.root)
+    assert [p.rsplit("/", 1)[-1] for p in result.applied] == [
+        "step_00000003.safetensors", "step_00000004.safetensors", "step_00000005.safetensors"]
+    assert_bit_exact(run.states[5], bf16_state(replica))
+
+
+def test_missing_delta_falls_back_to_the_newest_anchor(run):
+    receiver, replica = replica_receiver()
+    receiver.update(run.root, anchor_path(1))
+    (run.root / delta_path(2)).unlink()
+    result = receiver.update(run.root)
+    assert result.applied[0].endswith(anchor_path(4))
+    assert_bit_exact(run.states[5], bf16_state(replica))
+
+
+# -- refusals ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def at_v3(run):
+    receiver, replica = replica_receiver()
+    receiver.update(run.root, anchor_path(1))
+    receiver.update(run.root, delta_path(2))
+    receiver.update(run.root, delta_path(3))
+    assert_bit_exact(run.states[3], bf16_state(replica))
+    return receiver, replica
+
+
+def craft(run, tmp_path, edit, version: int = 4) -> str:
+    """Write a modified copy of delta `version` into the bucket; returns its path in the bucket."""
+    delta = read_file(run.root / delta_path(version))
+    changes, header = edit(dict(delta.changes), delta.header)
+    name = f"crafted/step_{version:08d}.safetensors"
+    (run.root / "crafted").mkdir(exist_ok=True)
+    write_delta(run.root / name, changes, header)
+    return name
+
+
+def rename(changes, header, old, new):
+    changes[new] = changes.pop(old)
+    move = lambda d: {new if k == old else k: v for k, v in d.items()}  # noqa: E731
+    return changes, dataclasses.replace(
+        header, shapes=move(header.shapes), checksums=move(header.checksums), base_checksums=move(header.base_checksums)
+    )
+
+
+def flip_first_value(changes, header):
+    name = sorted(changes)[0]
+    change = changes[name]
+    values = change.values.clone()
+    values.view(torch.int16)[0] ^= 1
+    changes[name] = SparseChange(change.indices, values)
+    return changes, header
+
+
+EDITS = {
+    "unknown parameter": (lambda c, h: rename(c, h, "body.0.weight", "body.9.weight"), ApplyError, "unknown parameter 'body.9.weight'"),
+    "wrong shape": (
+        lambda c, h: (c, dataclasses.replace(h, shapes={**h.shapes, "body.0.weight": (32, 64)})),
+        ApplyError, r"'body.0.weight' has shape \[32, 64\], held shape is \[64, 32\]"),
+    "checksum mismatch": (flip_first_value, IntegrityError, "would not reproduce the trainer's weights"),
+    "model checksum mismatch": (
+        lambda c, h: (c, dataclasses.replace(h, model_checksum="0" * 16)), IntegrityError, "model checksum"),
+    "other run": (lambda c, h: (c, dataclasses.replace(h, run_id="someone-else")), ApplyError, "belongs to run someone-else"),
+    "wrong base version": (
+        lambda c, h: (c, dataclasses.replace(h, base_version=2)), BaseVersionError,
+        "applies on top of version 2, but version 3 is held"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EDITS))
+def test_bad_delta_changes_nothing(run, tmp_path, at_v3, case):
+    receiver, replica = at_v3
+    edit, error, message = EDITS[case]
+    path = craft(run, tmp_path, edit)
+    held = {name: t.clone() for name, t in receiver.weights.items()}
+    replica_state = bf16_state(replica)
+    checksum = receiver.model_checksum
+    with pytest.raises(error, match=message):
+        receiver.update(run.root, path)
+    assert receiver.version == 3 and receiver.model_checksum == checksum
+    assert_bit_exact(held, receiver.weights)
+    assert_bit_exact(replica_state, bf16_state(replica))
+    # The replica recovers: catch-up reaches the newest version (from an anchor after an
+    # integrity failure, since the held weights can no longer be trusted).
+    assert receiver.update(run.root).version == 5
+    assert_bit_exact(run.states[5], bf16_state(replica))
+
+
+@pytest.mark.parametrize(
+    "tensor_edit, message",
+    [
+        (lambda i, v: (i.flip(0), v), "ascending"),
+        (lambda i, v: (i.clone().fill_(10**6)[:1], v[:1]), "outside"),
+        (lambda i, v: (i, v.float()), "bfloat16"),
+    ],
+    ids=["unsorted", "out-of-range", "wrong-dtype"],
+)
+def test_malformed_delta_changes_nothing(run, at_v3, tensor_edit, message):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    receiver, replica = at_v3
+    src = run.root / delta_path(4)
+    tensors = load_file(str(src))
+    with safe_open(str(src), "pt") as handle:
+        metadata = handle.metadata()
+    name = "body.0.weight"
+    tensors[f"{name}.indices"], tensors[f"{name}.values"] = tensor_edit(tensors[f"{name}.indices"], tensors[f"{name}.values"])
+    save_file(tensors, str(run.root / "bad.safetensors"), metadata=metadata)
+    held = {n: t.clone() for n, t in receiver.weights.items()}
+    with pytest.raises(FormatError, match=message):
+        receiver.update(run.root, "bad.safetensors")
+    assert receiver.version == 3
+    assert_bit_exact(held, receiver.weights)
+    assert_bit_exact(held, bf16_state(replica))
+
+
+@pytest.mark.parametrize("update_checksum", [True, False], ids=["other-weights", "silent-corruption"])
+def test_drifted_weights_are_detected_and_recovered_from_an_anchor(run, at_v3, update_checksum):
+    from delta_sync.integrity import tensor_checksum
+
+    receiver, replica = at_v3
+    name = "body.0.weight"
+    position = int(read_file(run.root / delta_path(4)).changes[name].indices[0])
+    receiver.weights[name].view(-1).view(torch.int16)[position] ^= 1  # the replica's copy went bad
+    if update_checksum:
+        receiver.checksums[name] = tensor_checksum(receiver.weights[name])
+    message = "differ from those the delta was made against" if update_checksum else "would not reproduce"
+    with pytest.raises(IntegrityError, match=message):
+        receiver.update(run.root, delta_path(4))
+    assert receiver.version == 3
+    with pytest.raises(BaseVersionError, match="failed an integrity check"):
+        receiver.update(run.root, delta_path(4))
+    result = receiver.update(run.root)  # catch-up reloads the newest anchor
+    assert result.applied[0].endswith(anchor_path(4))
+    assert_bit_exact(run.states[5], bf16_state(replica))
+    assert_bit_exact(run.states[5], receiver.weights)
+
+
+def test_delta_before_any_anchor_is_refused(run):
+    receiver, replica = replica_receiver()
+    initial = bf16_state(replica)
+    with pytest.raises(BaseVersionError, match="load an anchor"):
+        receiver.update(run.root, delta_path(2))
+    assert_bit_exact(initial, bf16_state(replica))
+
+
+def test_anchor_for_another_model_is_refused(run, tmp_path):
+    from delta_sync import Receiver
+
+    receiver = Receiver(expected_shapes={"only.weight": (4, 4)})
+    with pytest.raises(ApplyError, match="unknown parameter"):
+        receiver.update(run.root, anchor_path(1))
+    assert receiver.version is None and receiver.weights == {}
+
+
+def test_corrupted_anchor_is_refused(run, tmp_path):
+    receiver, replica = replica_receiver()
+    initial = bf16_state(replica)
+    data = bytearray((run.root / anchor_path(4)).read_bytes())
+    data[-3] ^= 0x40  # inside the last tensor's bytes
+    (run.root / "bad-anchor.safetensors").write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="does not match its recorded checksum"):
+        receiver.update(run.root, "bad-anchor.safetensors")
+    assert receiver.version is None
+    assert_bit_exact(initial, bf16_state(replica))
+
+
+@pytest.mark.parametrize("filename", ["../bucket/deltas/step_00000004.safetensors", "/etc/passwd", "deltas/../../x", ""])
+def test_paths_escaping_the_bucket_are_refused(run, at_v3, filename):
+    receiver, _ = at_v3
+    with pytest.raises(BucketPathError):
+        receiver.update(run.root, filename)
+    assert receiver.version == 3
+
+
+def test_untrusted_bucket_is_refused(run, tmp_path):
+    receiver, replica = replica_receiver(allowed_buckets=[str(tmp_path / "elsewhere")])
+    with pytest.raises(UntrustedBucketError, match="allow list"):
+        receiver.update(run.root)
+    trusted, _ = replica_receiver(allowed_buckets=[run.root.as_uri()])
+    assert trusted.update(run.root).version == 5
+
+
+def test_failing_load_weights_rolls_back(run, at_v3):
+    receiver, replica = at_v3
+    held = {n: t.clone() for n, t in receiver.weights.items()}
+    real_load = receiver.load_weights
+    calls = []
+
+    def flaky(weights):
+        calls.append([name for name, _ in weights])
+        if len(calls) == 1:
+            real_load(weights[:2])  # half-loaded, then the engine fails
+            raise RuntimeError("engine failed")
+        real_load(weights)
+
+    receiver.load_weights = flaky
+    with pytest.raises(RuntimeError, match="engine failed"):
+        receiver.update(run.root, delta_path(4))
+    assert receiver.version == 3
+    assert len(calls) == 2  # the rollback reloaded the previous values
+    assert_bit_exact(held, receiver.weights)
+    assert_bit_exact(held, bf16_state(replica))
+
+
+def test_delta_file_object_can_be_applied_directly(run):
+    receiver, _ = replica_receiver()
+    receiver.update(run.root, anchor_path(4))
+    delta = read_file(run.root / delta_path(5))
+    assert isinstance(delta, Delta)
+    assert receiver.apply(delta).version == 5
