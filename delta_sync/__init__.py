@@ -11,6 +11,7 @@ from .detector import BF16ChangeDetector, ChangeSet, canonical_name
 from .errors import (
     ApplyError,
     BaseVersionError,
+    BucketConflictError,
     BucketError,
     BucketFileNotFoundError,
     BucketNotFoundError,
@@ -37,6 +38,7 @@ __all__ = [
     "BF16ChangeDetector",
     "BaseVersionError",
     "Bucket",
+    "BucketConflictError",
     "BucketError",
     "BucketFileNotFoundError",
     "BucketNotFoundError",

@@ -67,6 +67,10 @@ class BucketPermissionError(BucketError, PermissionError):
     """The credentials in use may not read or write the bucket."""
 
 
+class BucketConflictError(BucketError, FileExistsError):
+    """A file that must not be overwritten already exists (e.g. another trainer wrote that version)."""
+
+
 class UntrustedBucketError(ApplyError):
     """A receiver was asked to load weights from a bucket it is not configured to trust."""
 

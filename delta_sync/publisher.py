@@ -144,6 +144,7 @@ class Publisher:
         self.keep_anchors = keep_anchors
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.on_published = list(on_published)
+        self._resumed_files: list[str] = []
         self._claim_prefix(overwrite)
         self._staging = Path(tempfile.mkdtemp(prefix="delta-sync-staging-"))
         # Worker-side state: touched only by whichever thread runs jobs, one at a time.
@@ -173,6 +174,9 @@ class Publisher:
         except DeltaSyncError:
             owner = None
         if owner == self.run_id:
+            # Resuming this run: files of versions at or after the first one published now
+            # belong to an abandoned trajectory and are replaced then (see `_rewind`).
+            self._resumed_files = [path for path in existing if path != LATEST]
             return
         if not overwrite:
             raise PublishError(
@@ -182,6 +186,14 @@ class Publisher:
         logger.warning("delta-sync: deleting %d file(s) of run %s from %s", len(existing), owner, self.bucket.url)
         self.bucket.delete([path for path in existing if path != LATEST])
         self.bucket.delete([LATEST])
+
+    def _rewind(self, version: int) -> None:
+        """Delete a resumed run's files of `version` and later, before writing `version` again."""
+        stale = [path for path in self._resumed_files if (parse_step_path(path) or ("", 0))[1] >= version]
+        self._resumed_files = []
+        if stale:
+            logger.warning("delta-sync: resuming at v%d, deleting %d later file(s) of this run", version, len(stale))
+            self.bucket.delete(stale)
 
     # -- caller side -----------------------------------------------------------------
 
@@ -296,6 +308,8 @@ class Publisher:
             callback(report)
 
     def _store(self, job: _Job, started: float) -> PublishReport:
+        if self._resumed_files:
+            self._rewind(job.version)
         change_set = job.change_set
         files: list[str] = []
         written = delta_bytes = 0
@@ -402,7 +416,8 @@ class Publisher:
         try:
             write(staged)
             size = staged.stat().st_size
-            self.bucket.upload(path, staged)
+            # Version files are written once: a second trainer on the same prefix fails loudly.
+            self.bucket.upload(path, staged, overwrite=False)
         finally:
             staged.unlink(missing_ok=True)
         return size

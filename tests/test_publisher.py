@@ -152,3 +152,32 @@ def test_a_prefix_holding_another_run_is_refused_unless_overwritten(tmp_path):
     publisher.publish(1)
     publisher.close()
     assert Latest.from_json((tmp_path / "latest.json").read_bytes()).run_id == publisher.run_id
+
+
+def test_a_second_trainer_cannot_overwrite_a_stored_version(tmp_path):
+    run = PublishedRun(tmp_path, versions=2)
+    from delta_sync import BucketConflictError, LocalBucket
+
+    with pytest.raises(BucketConflictError, match="already exists"):
+        LocalBucket(tmp_path).upload("deltas/step_00000002.safetensors", b"impostor", overwrite=False)
+    assert read_file(tmp_path / "deltas/step_00000002.safetensors").header.run_id == run.publisher.run_id
+    run.close()
+
+
+def test_resuming_a_run_replaces_its_abandoned_later_versions(tmp_path):
+    first = PublishedRun(tmp_path, versions=6, anchor_every=3)
+    first.close()
+    torch.manual_seed(5)
+    model = TwoTower()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    detector = BF16ChangeDetector(model, optimizer)
+    # Resumed from a checkpoint taken at step 4: versions 5 and 6 are rewritten.
+    publisher = Publisher(tmp_path, detector, run_id=first.publisher.run_id, background=False)
+    train_step(model, optimizer, seed=50)
+    publisher.publish(5)
+    publisher.close()
+    anchors, deltas = listing(tmp_path)
+    assert 5 in anchors and 6 not in deltas and 6 not in anchors
+    receiver, replica = replica_receiver()
+    assert receiver.update(tmp_path).version == 5
+    assert_bit_exact(bf16_state(model), bf16_state(replica))

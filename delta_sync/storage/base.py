@@ -48,8 +48,16 @@ class Bucket(ABC):
     url: str
 
     @abstractmethod
-    def upload(self, path: str, source: bytes | os.PathLike) -> None:
-        """Store `source` (bytes, or a local file to copy from) at `path`, atomically."""
+    def upload(self, path: str, source: bytes | os.PathLike, *, overwrite: bool = True) -> None:
+        """Store `source` (bytes, or a local file to copy from) at `path`, atomically.
+
+        Args:
+            path: Destination inside the bucket.
+            source: The content, or a local file holding it.
+            overwrite: With False, refuse to replace an existing file: raise
+                [`BucketConflictError`]. Where the store supports conditional writes this
+                check is atomic; see each backend for its guarantee.
+        """
 
     @abstractmethod
     def download(self, path: str, dest: os.PathLike) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from ..errors import BucketFileNotFoundError
+from ..errors import BucketConflictError, BucketFileNotFoundError
 from .base import Bucket, clean_path
 
 __all__ = ["LocalBucket"]
@@ -47,7 +47,7 @@ class LocalBucket(Bucket):
     def local_path(self, path: str) -> Path | None:
         return self._file(path)
 
-    def upload(self, path: str, source: bytes | os.PathLike) -> None:
+    def upload(self, path: str, source: bytes | os.PathLike, *, overwrite: bool = True) -> None:
         dest = self._file(path)
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
@@ -60,7 +60,15 @@ class LocalBucket(Bucket):
                         shutil.copyfileobj(src, out, length=16 << 20)
                 out.flush()
                 os.fsync(out.fileno())
-            os.replace(tmp, dest)
+            if overwrite:
+                os.replace(tmp, dest)
+            else:
+                # link() fails if dest exists: an atomic create-if-absent, even between processes.
+                try:
+                    os.link(tmp, dest)
+                except FileExistsError:
+                    raise BucketConflictError(f"{self.url}: {path!r} already exists") from None
+                Path(tmp).unlink()
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
