@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from dataclasses import dataclass, fields
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import CallbackHandler
 
+from . import trl_vllm
 from .detector import BF16ChangeDetector
 from .publisher import PublishReport, Publisher
+from .replicas import ReplicaSet
 
 __all__ = ["DeltaSyncCallback", "DeltaSyncConfig"]
 
@@ -34,6 +37,23 @@ class DeltaSyncConfig:
             parameters). `"cpu"` saves accelerator memory at the cost of a copy per sync.
         overwrite: Delete another run's files found under `bucket` instead of refusing to
             start.
+        vllm_url: Base URL(s) of vLLM servers (running `vllm_ext`) to update after every
+            version. With TRL's `GRPOTrainer` in vLLM server mode it defaults to the
+            trainer's own server, and TRL's NCCL weight sync is replaced.
+        max_staleness: How many versions a replica may lag when a generation starts. 0
+            (on-policy) waits until the replicas serve the newest version; k lets the
+            generation for step n+1 run on weights as old as step n-k while updates go on
+            in the background.
+        sync_timeout: Longest wait, in seconds, for replicas before a generation; replicas
+            still behind are reported and training goes on.
+        vllm_request_timeout: Seconds allowed for one request to a replica (the file is
+            downloaded during `/update_weights`).
+        vllm_retry_seconds: How long transient request failures (connection errors, 429,
+            502-504) are retried, with exponential backoff.
+        vllm_pause_mode: How requests in flight are treated while tensors load: `"keep"`,
+            `"wait"`, `"abort"` (vLLM's `/pause` modes) or None to not pause.
+        vllm_headers: HTTP headers for every request to the replicas, e.g.
+            `{"Authorization": "Bearer hf_..."}` for a private Space.
     """
 
     bucket: str = "./delta-sync"
@@ -45,10 +65,25 @@ class DeltaSyncConfig:
     run_id: str | None = None
     snapshot_device: str | None = None
     overwrite: bool = False
+    vllm_url: str | list[str] | None = None
+    max_staleness: int = 0
+    sync_timeout: float = 600.0
+    vllm_request_timeout: float = 600.0
+    vllm_retry_seconds: float = 30.0
+    vllm_pause_mode: str | None = "keep"
+    vllm_headers: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {self.sync_every}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+
+    @property
+    def vllm_urls(self) -> list[str]:
+        if self.vllm_url is None:
+            return []
+        return [self.vllm_url] if isinstance(self.vllm_url, str) else list(self.vllm_url)
 
 
 class DeltaSyncCallback(TrainerCallback):
@@ -86,7 +121,10 @@ class DeltaSyncCallback(TrainerCallback):
         self.config = config or DeltaSyncConfig(**kwargs)
         self.detector: BF16ChangeDetector | None = None
         self.publisher: Publisher | None = None
+        self.replicas: ReplicaSet | None = None
+        self._vllm_generation = None
         self._logged = 0
+        self._sync_metrics: dict[str, float] = {}
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -97,8 +135,22 @@ class DeltaSyncCallback(TrainerCallback):
         if handler is not None and self in handler.callbacks:
             handler.callbacks.remove(self)
             handler.callbacks.insert(0, self)
+        model = kwargs.get("model")
+        if model is not None:
+            # TRL builds its vLLM client after this event; take over its weight sync.
+            trl_vllm.claim(model, self)
+
+    def attach_vllm_generation(self, generation) -> None:
+        """Called by TRL's vLLM generation backend once it is connected (see `trl_vllm`)."""
+        self._vllm_generation = generation
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        if getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "server":
+            if self._vllm_generation is None:
+                raise RuntimeError(
+                    "DeltaSyncCallback could not take over TRL's vLLM weight sync; pass the callback "
+                    "when constructing the trainer (callbacks=[...]), not with add_callback()"
+                )
         if not state.is_world_process_zero:
             return
         model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
@@ -115,7 +167,20 @@ class DeltaSyncCallback(TrainerCallback):
             max_pending=config.max_pending,
             run_id=config.run_id,
             overwrite=config.overwrite,
+            on_published=[self._announce],
         )
+        urls = config.vllm_urls
+        if not urls and self._vllm_generation is not None:
+            urls = [self._vllm_generation.vllm_client.base_url]
+        if urls:
+            self.replicas = ReplicaSet(
+                urls,
+                self.publisher.bucket.url,
+                timeout=config.vllm_request_timeout,
+                retry_seconds=config.vllm_retry_seconds,
+                pause_mode=config.vllm_pause_mode,
+                headers=config.vllm_headers,
+            )
         logger.info(
             "delta-sync: publishing to %s every %d step(s), anchor every %d version(s), run %s",
             self.publisher.bucket.url,
@@ -135,7 +200,7 @@ class DeltaSyncCallback(TrainerCallback):
         if not reports:
             return
         self._logged += len(reports)
-        metrics = _metrics(reports)
+        metrics = {**_metrics(reports), **self._sync_metrics}
         logs.update(metrics)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(metrics)
@@ -146,9 +211,44 @@ class DeltaSyncCallback(TrainerCallback):
         try:
             self._publish(state.global_step)
             self.publisher.close()
+            if self.replicas is not None and self.publisher.last_version is not None:
+                self._wait_for_replicas(self.publisher.last_version)
         finally:
             assert self.detector is not None
             self.detector.close()
+            if self.replicas is not None:
+                self.replicas.close()
+
+    # -- vLLM replicas ----------------------------------------------------------------------
+
+    def _announce(self, report: PublishReport) -> None:
+        if self.replicas is not None:
+            self.replicas.announce(report.version, report.delta, report.model_checksum)
+
+    def sync_vllm_weights(self, generation=None) -> None:
+        """Run by TRL right before a generation: wait until the replicas are recent enough.
+
+        Replaces TRL's own `sync_weights` (see `delta_sync.trl_vllm`). Versions are
+        published after each optimizer step and replicas fetch them in the background;
+        this waits only for what `max_staleness` requires.
+        """
+        if self.publisher is None or self.replicas is None or self.publisher.last_version is None:
+            return
+        self._wait_for_replicas(self.publisher.last_version - self.config.max_staleness)
+
+    def _wait_for_replicas(self, version: int) -> None:
+        assert self.replicas is not None and self.publisher is not None
+        started = time.perf_counter()
+        behind = self.replicas.wait(version, timeout=self.config.sync_timeout)
+        for state in behind:
+            logger.warning(
+                "delta-sync: replica %s is not at version %d (serves %s): %s",
+                state.url, version, state.version, state.error or "timed out",
+            )
+        self._sync_metrics = {
+            "delta/replica_wait_seconds": time.perf_counter() - started,
+            "delta/replicas_behind": len(behind),
+        }
 
     # -- helpers --------------------------------------------------------------------------
 

@@ -202,6 +202,11 @@ class Publisher:
         """The last version handed to [`publish`]."""
         return self._last_version
 
+    @property
+    def pending_error(self) -> BaseException | None:
+        """A background failure not yet raised (it will be, by the next publish, flush or close)."""
+        return self._error
+
     def publish(self, version: int) -> None:
         """Publish the model's current weights as `version`.
 

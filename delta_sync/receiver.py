@@ -129,6 +129,13 @@ class Receiver:
         self._needs_anchor = False
         self._lock = threading.RLock()
 
+    def invalidate(self, reason: str) -> None:
+        """Declare the model out of step with the snapshot (e.g. a load failed after a
+        successful apply): deltas are refused until the next catch-up loads an anchor."""
+        with self._lock:
+            logger.warning("delta-sync: %s; the next catch-up reloads an anchor", reason)
+            self._needs_anchor = True
+
     @property
     def model_checksum(self) -> str | None:
         """Digest of the held weights (see `delta_sync.integrity.model_checksum`), or None."""
@@ -141,6 +148,11 @@ class Receiver:
         opened = open_bucket(bucket)
         if self.allowed_buckets is not None:
             url = _normalise_url(opened.url)
+            if not self.allowed_buckets:
+                raise UntrustedBucketError(
+                    f"bucket {opened.url} refused: this receiver trusts no bucket yet "
+                    "(for a vLLM server, set DELTA_SYNC_ALLOWED_BUCKETS)"
+                )
             if not any(url == allowed or url.startswith(allowed + "/") for allowed in self.allowed_buckets):
                 raise UntrustedBucketError(
                     f"bucket {opened.url} is not on this receiver's allow list {self.allowed_buckets}"

@@ -11,6 +11,11 @@ the trainer bit for bit after every sync.
 Then check the bucket on its own:
 
     delta-sync verify ./deltas
+
+With `--vllm-url`, the trainer generates through a real vLLM server running
+`vllm_ext` (started on the model `--base-model-dir` saved), whose weights follow the
+bucket too: TRL's own NCCL weight sync is replaced, and after every step the server's
+weight checksum is compared with the trainer's.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from delta_sync import DeltaSyncCallback, Receiver, expected_shapes_of, module_weight_loader
+from delta_sync.integrity import model_checksum, tensor_checksum
 from delta_sync.layout import step_versions
 from delta_sync.tiny_model import build_tiny_model
 
@@ -42,7 +48,8 @@ def reward_cats(completions: list[str], **kwargs) -> list[float]:
 
 
 class ReplicaCheck(TrainerCallback):
-    """After each sync, brings a replica up to date from the bucket and compares it with the trainer."""
+    """After each sync, compares the trainer's bf16 weights with a replica that follows the
+    bucket on its own and, with `--vllm-url`, with what the vLLM server reports serving."""
 
     def __init__(self, sync: DeltaSyncCallback, bucket: str, replica: torch.nn.Module) -> None:
         self.sync = sync
@@ -50,32 +57,42 @@ class ReplicaCheck(TrainerCallback):
         self.replica = replica
         self.receiver = Receiver(load_weights=module_weight_loader(replica), expected_shapes=expected_shapes_of(replica))
         self.checked: list[tuple[int, bool]] = []
+        self.server_checked: list[tuple[int, bool]] = []
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        if self.sync.publisher is None or self.sync.publisher.last_version != state.global_step:
+        version = state.global_step
+        if self.sync.publisher is None or self.sync.publisher.last_version != version:
             return
+        trainer_bits = {name: p.detach().to(torch.bfloat16) for name, p in model.named_parameters()}
         self.sync.publisher.flush()
         self.receiver.update(self.bucket)
         exact = all(
-            torch.equal(param.detach().to(torch.bfloat16).view(torch.int16), self.receiver.weights[name].view(torch.int16))
-            for name, param in model.named_parameters()
-        ) and all(
-            torch.equal(param.view(torch.int16), self.receiver.weights[name].view(torch.int16))
-            for name, param in self.replica.named_parameters()
+            torch.equal(bits.view(torch.int16), self.receiver.weights[name].view(torch.int16))
+            and torch.equal(bits.view(torch.int16), self.replica.get_parameter(name).view(torch.int16))
+            for name, bits in trainer_bits.items()
         )
-        self.checked.append((state.global_step, exact))
+        self.checked.append((version, exact))
         if not exact:
-            logging.error("replica differs from the trainer at version %d", state.global_step)
+            logging.error("replica differs from the trainer at version %d", version)
+        if self.sync.replicas is not None:
+            expected = model_checksum({name: tensor_checksum(bits) for name, bits in trainer_bits.items()})
+            behind = self.sync.replicas.wait(version, timeout=600)
+            served = [state.model_checksum for state in self.sync.replicas.states.values()]
+            exact = not behind and all(checksum == expected for checksum in served)
+            self.server_checked.append((version, exact))
+            if not exact:
+                logging.error("vLLM server differs from the trainer at version %d: %s", version, behind or served)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bucket", default="./deltas", help="bucket URL or local directory (default: ./deltas)")
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default: 20)")
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default: 20; 0 only builds the model)")
     parser.add_argument("--anchor-every", type=int, default=10, help="full anchor every N versions (default: 10)")
     parser.add_argument("--keep-anchors", type=int, default=2, help="anchors kept in the bucket (default: 2)")
     parser.add_argument("--learning-rate", type=float, default=2e-5, help="AdamW learning rate (default: 2e-5)")
     parser.add_argument("--base-model-dir", help="also save the generated base model and tokenizer here")
+    parser.add_argument("--vllm-url", help="generate through this vLLM server (running vllm_ext) and sync it too")
     parser.add_argument("--output-dir", default=None, help="trainer output directory (default: a temporary one)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -92,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # fp32 master weights, as most trainers keep them; the bucket carries their bf16 rounding.
     model, tokenizer = build_tiny_model(args.base_model_dir, seed=args.seed, dtype=torch.float32)
+    if args.steps == 0:
+        print(f"saved the base model and tokenizer to {args.base_model_dir}" if args.base_model_dir else "nothing to do")
+        return 0
     replica, _ = build_tiny_model(seed=args.seed + 1)  # different weights until the first anchor lands
     replica = replica.to(torch.bfloat16)
 
@@ -114,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         save_strategy="no",
         disable_tqdm=True,
         seed=args.seed,
+        **(
+            dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=args.vllm_url, vllm_server_timeout=600)
+            if args.vllm_url
+            else {}
+        ),
     )
     trainer = GRPOTrainer(
         model=model,
@@ -131,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     deltas = [r for r in reports if r.delta]
     delta_bytes = sum(r.delta_bytes for r in deltas) / max(1, len(deltas))
     exact = bool(check.checked) and all(ok for _, ok in check.checked)
+    if args.vllm_url:
+        exact = exact and bool(check.server_checked) and all(ok for _, ok in check.server_checked)
     rows = [
         ("steps", f"{trainer.state.global_step}"),
         ("versions published", f"{len(reports)}"),
@@ -140,7 +167,13 @@ def main(argv: list[str] | None = None) -> int:
         ("bytes per delta file (mean)", f"{delta_bytes:,.0f}"),
         ("full bf16 model", f"{full_bytes:,} bytes ({delta_bytes / full_bytes:.2%} per delta)"),
         ("replica checks", f"{len(check.checked)}"),
-        ("replica bit-exact", "yes" if exact else "no"),
+        ("replica bit-exact", "yes" if all(ok for _, ok in check.checked) and check.checked else "no"),
+        *(
+            [("vLLM server checks", f"{len(check.server_checked)}"),
+             ("vLLM server bit-exact", "yes" if check.server_checked and all(ok for _, ok in check.server_checked) else "no")]
+            if args.vllm_url
+            else []
+        ),
         ("wall time", f"{time.perf_counter() - started:.1f} s"),
     ]
     width = max(len(label) for label, _ in rows)

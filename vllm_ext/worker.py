@@ -1,0 +1,48 @@
+"""`DeltaWorkerExtension`: the class named by `vllm serve --worker-extension-cls`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .engine import DeltaWeightTransferEngine
+
+__all__ = ["DeltaWorkerExtension"]
+
+
+class DeltaWorkerExtension:
+    """Mixed into every vLLM worker. Importing it registers the `delta` weight-transfer engine.
+
+    Its methods are reachable through `POST /collective_rpc` (server started with
+    `VLLM_SERVER_DEV_MODE=1`); their names carry a `delta_sync_` prefix so they never
+    shadow a `Worker` attribute.
+
+    Example:
+        ```bash
+        curl -X POST localhost:8000/collective_rpc -d '{"method": "delta_sync_status"}'
+        # {"results": [{"version": 12, "model_checksum": "3f0c...", ...}]}
+        ```
+    """
+
+    def delta_sync_status(self) -> dict[str, Any]:
+        """The version this worker serves and a checksum of its weights.
+
+        Returns:
+            `version`, `anchor_version`, `run_id`, `model_checksum` (digest of the held bf16
+            weights, comparable with the trainer's `PublishReport.model_checksum` and
+            `latest.json`), and `pending` (parameters applied but not yet loaded, which
+            `/finish_weight_update` loads).
+        """
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(engine, DeltaWeightTransferEngine):
+            raise RuntimeError(
+                "the delta weight-transfer engine is not active; start vLLM with "
+                "--weight-transfer-config '{\"backend\": \"delta\"}'"
+            )
+        receiver = engine.receiver
+        return {
+            "version": receiver.version,
+            "anchor_version": receiver.anchor_version,
+            "run_id": receiver.run_id,
+            "model_checksum": receiver.model_checksum,
+            "pending": len(engine.staged),
+        }
