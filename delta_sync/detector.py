@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 from .format import SparseChange, index_dtype
+from .parallel import parallel_map
+from .sparse import changed_positions, gather, scatter_
 
 __all__ = ["BF16ChangeDetector", "ChangeSet", "canonical_name", "inner_optimizer"]
 
@@ -226,23 +228,10 @@ class BF16ChangeDetector:
             elements), new values and old values.
         """
         with self.snapshot_lock:
-            changes: dict[str, SparseChange] = {}
-            old_values: dict[str, torch.Tensor] = {}
-            for name in sorted(self._touched):
-                snap = self._snapshot[name].view(-1)
-                current = self._current_bf16(name).reshape(-1)
-                mask = current.view(torch.int16) != snap.view(torch.int16)
-                indices = mask.nonzero().squeeze(1)
-                del mask
-                if indices.numel() == 0:
-                    continue
-                values = current[indices]
-                old_values[name] = snap[indices].cpu()
-                snap[indices] = values
-                changes[name] = SparseChange(
-                    indices=indices.to(device="cpu", dtype=index_dtype(snap.numel())),
-                    values=values.cpu(),
-                )
+            names = sorted(self._touched)
+            extracted = parallel_map(self._extract, names)
+            changes = {name: change for name, (change, _) in zip(names, extracted) if change is not None}
+            old_values = {name: old for name, (_, old) in zip(names, extracted) if old is not None}
             change_set = ChangeSet(
                 changes=changes,
                 old_values=old_values,
@@ -253,6 +242,19 @@ class BF16ChangeDetector:
             self._touched.clear()
             self._steps = 0
             return change_set
+
+    def _extract(self, name: str) -> tuple[SparseChange | None, torch.Tensor | None]:
+        """Changed elements of one parameter; advances its snapshot."""
+        snap = self._snapshot[name]
+        current = self._current_bf16(name)
+        indices = changed_positions(current, snap)
+        if indices.numel() == 0:
+            return None, None
+        values = gather(current, indices)
+        old = gather(snap, indices).cpu()
+        scatter_(snap, indices, values)
+        change = SparseChange(indices=indices.to(device="cpu", dtype=index_dtype(snap.numel())), values=values.cpu())
+        return change, old
 
     def close(self) -> None:
         """Remove the optimizer hooks and drop the snapshot."""

@@ -16,6 +16,7 @@ Two kinds of integrity data travel in every file:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 
 import numpy as np
@@ -53,13 +54,35 @@ def _mix_into(z: np.ndarray, scratch: np.ndarray) -> None:
     np.bitwise_xor(z, scratch, out=z)
 
 
-def _hash_sum(positions: np.ndarray, bits: np.ndarray) -> int:
-    """Sum mod 2^64 of the element hashes of `(positions[i], bits[i])`; O(len(bits))."""
-    z = positions.astype(np.uint64) << np.uint64(16)
-    z |= bits.view(np.uint16)
-    _mix_into(z, np.empty_like(z))
-    # numpy's uint64 sum wraps modulo 2^64, which is exactly the group the checksum lives in.
-    return int(z.sum(dtype=np.uint64))
+def _hash_sum(bits: np.ndarray, positions: np.ndarray | None = None) -> int:
+    """Sum mod 2^64 of the element hashes of `(position, bits)` pairs.
+
+    `positions` defaults to `0, 1, 2, ...` (a whole tensor). Works through the input in
+    cache-sized chunks with preallocated buffers.
+    """
+    bits = bits.view(np.uint16)
+    size = min(_CHUNK, bits.size)
+    z = np.empty(size, np.uint64)
+    scratch = np.empty(size, np.uint64)
+    total = 0
+    for start in range(0, bits.size, _CHUNK):
+        chunk = bits[start : start + _CHUNK]
+        n = chunk.size
+        if positions is None:
+            np.add(_shifted_arange(size)[:n], np.uint64(start << 16), out=z[:n])
+        else:
+            z[:n] = positions[start : start + n]
+            np.left_shift(z[:n], np.uint64(16), out=z[:n])
+        np.bitwise_or(z[:n], chunk, out=z[:n], casting="unsafe")
+        _mix_into(z[:n], scratch[:n])
+        # numpy's uint64 sum wraps modulo 2^64, the group the checksum lives in.
+        total += int(z[:n].sum(dtype=np.uint64))
+    return total & _MASK64
+
+
+@functools.lru_cache(maxsize=4)
+def _shifted_arange(size: int) -> np.ndarray:
+    return np.arange(size, dtype=np.uint64) << np.uint64(16)
 
 
 def _bits(values: torch.Tensor) -> np.ndarray:
@@ -84,19 +107,7 @@ def tensor_checksum(tensor: torch.Tensor) -> int:
         True
         ```
     """
-    bits = _bits(tensor).view(np.uint16)
-    z = np.empty(_CHUNK, np.uint64)
-    scratch = np.empty(_CHUNK, np.uint64)
-    shifted_arange = np.arange(_CHUNK, dtype=np.uint64) << np.uint64(16)
-    total = 0
-    for start in range(0, bits.size, _CHUNK):
-        chunk = bits[start : start + _CHUNK]
-        n = chunk.size
-        np.add(shifted_arange[:n], np.uint64(start << 16), out=z[:n])
-        np.bitwise_or(z[:n], chunk, out=z[:n], casting="unsafe")
-        _mix_into(z[:n], scratch[:n])
-        total += int(z[:n].sum(dtype=np.uint64))
-    return total & _MASK64
+    return _hash_sum(_bits(tensor))
 
 
 def updated_checksum(
@@ -113,8 +124,8 @@ def updated_checksum(
         new_values: bf16 values at `indices` after the change.
     """
     positions = indices.detach().reshape(-1).cpu().numpy()
-    removed = _hash_sum(positions, _bits(old_values))
-    added = _hash_sum(positions, _bits(new_values))
+    removed = _hash_sum(_bits(old_values), positions)
+    added = _hash_sum(_bits(new_values), positions)
     return (checksum - removed + added) & _MASK64
 
 

@@ -19,6 +19,7 @@ from .errors import DeltaSyncError, PublishError
 from .format import FileHeader, write_anchor, write_delta
 from .integrity import model_checksum, tensor_checksum, updated_checksum
 from .layout import LATEST, Latest, anchor_path, delta_path, parse_step_path, step_versions
+from .parallel import parallel_map
 from .storage import Bucket, open_bucket
 
 __all__ = ["PublishReport", "Publisher"]
@@ -387,7 +388,7 @@ class Publisher:
 
     def _store_anchor(self, version: int, path: str, *, check_chain: bool) -> int:
         tensors = {name: tensor.cpu() for name, tensor in self.detector.snapshot.items()}
-        checksums = {name: tensor_checksum(tensor) for name, tensor in tensors.items()}
+        checksums = dict(zip(tensors, parallel_map(tensor_checksum, tensors.values())))
         # With a delta of the same version just written, the checksums kept up delta by
         # delta must equal those of the weights: a free end-to-end check of the chain.
         if check_chain and checksums != self._checksums:

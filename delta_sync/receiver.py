@@ -29,6 +29,8 @@ from .errors import (
 from .format import Anchor, Delta, read_file
 from .integrity import PayloadHasher, model_checksum, tensor_checksum, updated_checksum
 from .layout import LATEST, Latest, anchor_path, delta_path, step_versions
+from .parallel import parallel_map
+from .sparse import gather, scatter_
 from .storage import Bucket, clean_path, open_bucket
 from .storage.cache import DownloadCache
 
@@ -286,7 +288,6 @@ class Receiver:
                 held=self.version,
                 base=header.base_version,
             )
-        new_checksums = {}
         for name, change in delta.changes.items():
             held = self.weights.get(name)
             if held is None:
@@ -300,8 +301,17 @@ class Receiver:
                 raise IntegrityError(
                     f"{source}: the held weights of {name!r} differ from those the delta was made against"
                 )
-            old_values = held.view(-1)[change.indices.long()]
-            new_checksums[name] = updated_checksum(self.checksums[name], change.indices, old_values, change.values)
+
+        def verify(name: str) -> tuple[torch.Tensor, int]:
+            change = delta.changes[name]
+            old_values = gather(self.weights[name], change.indices)
+            return old_values, updated_checksum(self.checksums[name], change.indices, old_values, change.values)
+
+        names = sorted(delta.changes)
+        verified = dict(zip(names, parallel_map(verify, names)))
+        previous = {name: old for name, (old, _) in verified.items()}
+        new_checksums = {name: checksum for name, (_, checksum) in verified.items()}
+        for name in names:
             if new_checksums[name] != header.checksums[name]:
                 # The file passed its payload digest, so the held weights are what differ.
                 self._needs_anchor = True
@@ -310,9 +320,8 @@ class Receiver:
             self._needs_anchor = True
             raise IntegrityError(f"{source}: the resulting model checksum differs from the trainer's")
 
-        previous = {name: self.weights[name].view(-1)[change.indices.long()] for name, change in delta.changes.items()}
         for name, change in delta.changes.items():
-            self.weights[name].view(-1)[change.indices.long()] = change.values
+            scatter_(self.weights[name], change.indices, change.values)
         old_state = (dict(self.checksums), self.version, self.anchor_version)
         self.checksums.update(new_checksums)
         self.version, self.anchor_version = header.version, header.anchor_version
@@ -320,7 +329,7 @@ class Receiver:
             self._load(sorted(delta.changes))
         except BaseException:
             for name, change in delta.changes.items():
-                self.weights[name].view(-1)[change.indices.long()] = previous[name]
+                scatter_(self.weights[name], change.indices, previous[name])
             self.checksums, self.version, self.anchor_version = old_state
             self._reload_after_failure(sorted(delta.changes))
             raise
@@ -344,17 +353,19 @@ class Receiver:
                     raise ApplyError(
                         f"{source}: parameter {name!r} has shape {list(shape)}, expected {list(expected[name])}"
                     )
-        # Pass 1: verify, one tensor in memory at a time.
+        # Verify before touching anything, reading one tensor per core at a time.
+        names = header.names
+        for name, checksum in zip(names, parallel_map(lambda n: tensor_checksum(anchor.tensor(n)), names)):
+            if checksum != header.checksums[name]:
+                raise IntegrityError(f"{source}: parameter {name!r} does not match its recorded checksum")
         hasher = PayloadHasher()
         for name, tensor in anchor.items():
             hasher.update(name, tensor)
-            if tensor_checksum(tensor) != header.checksums[name]:
-                raise IntegrityError(f"{source}: parameter {name!r} does not match its recorded checksum")
         if hasher.hexdigest() != header.payload_digest:
             raise IntegrityError(f"{source}: payload digest does not match; the file is damaged")
         if model_checksum(header.checksums) != header.model_checksum:
             raise IntegrityError(f"{source}: model checksum does not match the per-parameter checksums")
-        # Pass 2: commit, copying into the held tensors so memory stays at one snapshot.
+        # Commit, copying into the held tensors so memory stays at one snapshot.
         for name, tensor in anchor.items():
             held = self.weights.get(name)
             if held is None:

@@ -74,14 +74,23 @@ class ReplicaCheck(TrainerCallback):
         self.checked.append((version, exact))
         if not exact:
             logging.error("replica differs from the trainer at version %d", version)
-        if self.sync.replicas is not None:
-            expected = model_checksum({name: tensor_checksum(bits) for name, bits in trainer_bits.items()})
-            behind = self.sync.replicas.wait(version, timeout=600)
-            served = [state.model_checksum for state in self.sync.replicas.states.values()]
-            exact = not behind and all(checksum == expected for checksum in served)
-            self.server_checked.append((version, exact))
-            if not exact:
-                logging.error("vLLM server differs from the trainer at version %d: %s", version, behind or served)
+        if self.sync.replicas is not None and self.sync.config.max_staleness == 0:
+            self._check_server(version, trainer_bits)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        # With max_staleness > 0 replicas may lag during training; DeltaSyncCallback has
+        # waited for the last version by now.
+        if self.sync.replicas is not None and self.sync.config.max_staleness > 0:
+            self._check_server(state.global_step, {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()})
+
+    def _check_server(self, version: int, trainer_bits: dict[str, torch.Tensor]) -> None:
+        expected = model_checksum({name: tensor_checksum(bits) for name, bits in trainer_bits.items()})
+        behind = self.sync.replicas.wait(version, timeout=600)
+        served = [state.model_checksum for state in self.sync.replicas.states.values()]
+        exact = not behind and all(checksum == expected for checksum in served)
+        self.server_checked.append((version, exact))
+        if not exact:
+            logging.error("vLLM server differs from the trainer at version %d: %s", version, behind or served)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -93,6 +102,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--learning-rate", type=float, default=2e-5, help="AdamW learning rate (default: 2e-5)")
     parser.add_argument("--base-model-dir", help="also save the generated base model and tokenizer here")
     parser.add_argument("--vllm-url", help="generate through this vLLM server (running vllm_ext) and sync it too")
+    parser.add_argument(
+        "--max-staleness", type=int, default=0,
+        help="versions the server may lag when a generation starts (default 0: on-policy)",
+    )
     parser.add_argument("--output-dir", default=None, help="trainer output directory (default: a temporary one)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -116,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     replica = replica.to(torch.bfloat16)
 
     sync = DeltaSyncCallback(bucket=args.bucket, anchor_every=args.anchor_every, keep_anchors=args.keep_anchors,
-                             overwrite=not args.keep_existing)
+                             overwrite=not args.keep_existing, max_staleness=args.max_staleness)
     check = ReplicaCheck(sync, args.bucket, replica)
     output_dir = args.output_dir or tempfile.mkdtemp(prefix="grpo-delta-sync-")
     config = GRPOConfig(

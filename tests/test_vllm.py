@@ -240,3 +240,17 @@ def test_grpo_trainer_generates_through_the_server(vllm_server, bucket_root):
     assert server_log.count("POST /v1/completions") - completions_before >= 6
     assert "POST /init_weight_transfer_engine" not in server_log
     assert vllm_server.status()["version"] == 6
+
+
+def test_grpo_trainer_with_bounded_staleness(vllm_server, bucket_root):
+    """Asynchronous mode: generation may run one version behind; the server still ends bit-exact."""
+    result = subprocess.run(
+        [str(vllm_python()), str(REPO / "examples" / "grpo_delta_sync.py"), "--bucket", str(bucket_root / "async"),
+         "--steps", "5", "--max-staleness", "1", "--vllm-url", vllm_server.url],
+        capture_output=True, text=True, timeout=1200, cwd=bucket_root,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    assert re.search(r"vLLM server checks\s+1\n", output), output[-3000:]
+    assert re.search(r"vLLM server bit-exact\s+yes", output), output[-3000:]
+    assert vllm_server.status()["version"] == 5

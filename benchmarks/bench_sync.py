@@ -1,0 +1,227 @@
+"""Trainer-side and replica-side cost of a delta sync, against references measured in the same run.
+
+Model: bf16 parameters with Qwen3-like shapes (default ~100M parameters). Each step flips
+a random `--changed` fraction of the elements by one or two ULPs, the pattern RL
+fine-tuning produces (DESIGN.md section 1), so the measured cost is that of a realistic
+sparse delta.
+
+References (same process, same tensors):
+
+* `clone`: one `clone()` of every bf16 parameter.
+* `trl_v1`: a TRL-v1-style pipeline: `.to(bfloat16).cpu().clone()` of every parameter,
+  compare with the previous copy, `nonzero`, SHA-256 of the full weights, save the delta.
+* `anchor_load`: loading a full anchor (safetensors `load_file`, from the page cache)
+  into the replica model: a full reload without download or verification.
+
+On the replica, `verify_apply` (download excluded) runs while vLLM keeps generating;
+only `load` (copying the changed tensors into the model) pauses generation.
+
+Prints a table and writes JSON (default `benchmarks/results/bench_sync.json`). Ratios,
+not absolute seconds, are the figures to compare across machines.
+
+    python benchmarks/bench_sync.py --params 100e6 --changed 0.02 --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from delta_sync import BF16ChangeDetector, Publisher, Receiver, module_weight_loader, read_file
+from delta_sync.layout import anchor_path, delta_path
+
+
+def qwen_like_shapes(params: float) -> dict[str, tuple[int, ...]]:
+    """Shapes of a Qwen3-style decoder with about `params` parameters."""
+    hidden = 1024
+    vocab = 32768
+    per_layer = 4 * hidden * hidden + 3 * hidden * 3 * hidden + 2 * hidden
+    layers = max(1, round((params - 2 * vocab * hidden) / per_layer))
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden)}
+    for i in range(layers):
+        prefix = f"model.layers.{i}"
+        shapes.update({
+            f"{prefix}.self_attn.q_proj.weight": (hidden, hidden),
+            f"{prefix}.self_attn.k_proj.weight": (hidden, hidden),
+            f"{prefix}.self_attn.v_proj.weight": (hidden, hidden),
+            f"{prefix}.self_attn.o_proj.weight": (hidden, hidden),
+            f"{prefix}.mlp.gate_proj.weight": (3 * hidden, hidden),
+            f"{prefix}.mlp.up_proj.weight": (3 * hidden, hidden),
+            f"{prefix}.mlp.down_proj.weight": (hidden, 3 * hidden),
+            f"{prefix}.input_layernorm.weight": (hidden,),
+            f"{prefix}.post_attention_layernorm.weight": (hidden,),
+        })
+    shapes["model.norm.weight"] = (hidden,)
+    return shapes
+
+
+class FlatModel(nn.Module):
+    def __init__(self, shapes: dict[str, tuple[int, ...]], seed: int) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.names = list(shapes)
+        self.params = nn.ParameterList(
+            nn.Parameter((torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)) for shape in shapes.values()
+        )
+
+    def named_parameters(self, *args, **kwargs):  # checkpoint names, as a transformers model has
+        return zip(self.names, self.params)
+
+
+def perturb(model: FlatModel, fraction: float, generator: torch.Generator) -> None:
+    """Move a random `fraction` of elements by +-1 or +-2 ULPs, in place."""
+    with torch.no_grad():
+        for param in model.params:
+            flat = param.view(-1).view(torch.int16)
+            count = max(1, int(flat.numel() * fraction))
+            positions = torch.randint(0, flat.numel(), (count,), generator=generator)
+            steps = torch.randint(1, 3, (count,), generator=generator, dtype=torch.int16)
+            signs = torch.where(torch.rand(count, generator=generator) < 0.5, -1, 1).to(torch.int16)
+            flat[positions] += steps * signs
+
+
+class NoStep(torch.optim.Optimizer):
+    """The benchmark moves weights itself; the detector only needs an optimizer's hooks."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, {})
+
+    def step(self, closure=None):
+        return None
+
+
+def timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params", type=float, default=100e6, help="approximate parameter count (default 1e8)")
+    parser.add_argument("--changed", type=float, default=0.02, help="fraction of elements changed per step")
+    parser.add_argument("--steps", type=int, default=5, help="measured steps (default 5)")
+    parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "bench_sync.json"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+
+    shapes = qwen_like_shapes(args.params)
+    model = FlatModel(shapes, seed=0)
+    numel = sum(math.prod(s) for s in shapes.values())
+    generator = torch.Generator().manual_seed(1)
+    work = Path(tempfile.mkdtemp(prefix="bench-sync-"))
+    optimizer = NoStep(model.params)
+    detector = BF16ChangeDetector(model, optimizer)
+    publisher = Publisher(work / "bucket", detector, anchor_every=10**9, background=False)
+    detector.mark_changed()
+    optimizer.step()
+    publisher.publish(1)  # the anchor; not measured
+
+    replica = FlatModel(shapes, seed=2)
+    load = module_weight_loader(replica)
+    receiver = Receiver()  # the model load is timed on its own below
+    receiver.update(work / "bucket")
+    load([(name, receiver.weights[name]) for name in receiver.weights])
+
+    trl_previous = {name: p.detach().to(torch.bfloat16).cpu().clone() for name, p in model.named_parameters()}
+    rows: dict[str, list[float]] = {
+        key: [] for key in ("clone", "delta_sync", "trl_v1", "verify_apply", "load", "anchor_load")
+    }
+    bytes_per_step, changed_per_step = [], []
+    for step in range(2, args.steps + 2):
+        perturb(model, args.changed, generator)
+        detector.mark_changed()
+        optimizer.step()
+
+        rows["clone"].append(timed(lambda: [p.detach().clone() for p in model.params]))
+
+        def trl_v1() -> None:
+            current = {name: p.detach().to(torch.bfloat16).cpu().clone() for name, p in model.named_parameters()}
+            delta = {}
+            for name, tensor in current.items():
+                indices = (tensor.view(torch.int16) != trl_previous[name].view(torch.int16)).reshape(-1).nonzero()
+                delta[f"{name}.indices"] = indices.squeeze(1).to(torch.int32)
+                delta[f"{name}.values"] = tensor.reshape(-1)[indices.squeeze(1)]
+            digest = hashlib.sha256()
+            for tensor in current.values():
+                digest.update(tensor.view(torch.uint8).numpy())
+            save_file(delta, str(work / "trl_v1.safetensors"), metadata={"sha256": digest.hexdigest()})
+            trl_previous.clear()
+            trl_previous.update(current)
+
+        rows["trl_v1"].append(timed(trl_v1))
+        rows["delta_sync"].append(timed(lambda: publisher.publish(step)))
+        report = publisher.reports[-1]
+        bytes_per_step.append(report.delta_bytes)
+        changed_per_step.append(report.changed_elements)
+
+        delta = read_file(work / "bucket" / delta_path(step))
+        rows["verify_apply"].append(timed(lambda: receiver.apply(delta)))
+        assert receiver.model_checksum == report.model_checksum
+        rows["load"].append(timed(lambda: load([(name, receiver.weights[name]) for name in delta.changes])))
+
+    anchor_file = work / "bucket" / anchor_path(1)
+
+    def anchor_load() -> None:
+        tensors = load_file(str(anchor_file))
+        for name, param in replica.named_parameters():
+            param.data.copy_(tensors[name])
+
+    for _ in range(min(3, args.steps)):
+        rows["anchor_load"].append(timed(anchor_load))
+
+    median = {key: statistics.median(values) for key, values in rows.items()}
+    result = {
+        "params": numel,
+        "changed_fraction": args.changed,
+        "steps": args.steps,
+        "median_seconds": median,
+        "ratios": {
+            "delta_sync / clone": median["delta_sync"] / median["clone"],
+            "trl_v1 / delta_sync": median["trl_v1"] / median["delta_sync"],
+            "verify_apply / anchor_load": median["verify_apply"] / median["anchor_load"],
+            "load / anchor_load": median["load"] / median["anchor_load"],
+        },
+        "delta_bytes_per_step": statistics.median(bytes_per_step),
+        "bytes_per_changed_element": statistics.median(b / c for b, c in zip(bytes_per_step, changed_per_step)),
+        "full_bf16_bytes": 2 * numel,
+        "snapshot_bytes_trainer": sum(t.numel() * t.element_size() for t in detector.snapshot.values()),
+        "snapshot_bytes_replica": sum(t.numel() * t.element_size() for t in receiver.weights.values()),
+    }
+    print(f"model: {numel / 1e6:.1f}M bf16 parameters, {args.changed:.1%} of elements changed per step, "
+          f"{args.steps} steps (medians)")
+    print(f"{'what':<44} {'seconds':>10} {'ratio':>8}  goal")
+    print(f"{'trainer: one clone() of the weights':<44} {median['clone']:>10.4f}")
+    print(f"{'trainer: delta-sync detect+extract+encode+write':<44} {median['delta_sync']:>10.4f} "
+          f"{result['ratios']['delta_sync / clone']:>7.2f}x  <= 3x clone")
+    print(f"{'trainer: TRL-v1-style pipeline':<44} {median['trl_v1']:>10.4f} "
+          f"{result['ratios']['trl_v1 / delta_sync']:>7.2f}x  >= 3x slower than delta-sync")
+    print(f"{'replica: full anchor load':<44} {median['anchor_load']:>10.4f}")
+    print(f"{'replica: delta verify + apply to snapshot':<44} {median['verify_apply']:>10.4f} "
+          f"{result['ratios']['verify_apply / anchor_load']:>7.2f}x  O(changed), while generating")
+    print(f"{'replica: load changed tensors (the pause)':<44} {median['load']:>10.4f} "
+          f"{result['ratios']['load / anchor_load']:>7.2f}x  well under a full reload")
+    print(f"delta file: {result['delta_bytes_per_step']:,.0f} bytes per step "
+          f"({result['bytes_per_changed_element']:.2f} bytes per changed element; full bf16 {2 * numel:,} bytes)")
+    print(f"memory: trainer snapshot {result['snapshot_bytes_trainer'] / (2 * numel):.2f}x bf16 model, "
+          f"replica snapshot {result['snapshot_bytes_replica'] / (2 * numel):.2f}x")
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(result, indent=2))
+    print(f"wrote {output}")
+    publisher.close()
+    return result
+
+
+if __name__ == "__main__":
+    main()
