@@ -221,17 +221,22 @@ def test_vllm_ext_imports_no_training_stack():
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
 
 
-def test_grpo_trainer_generates_through_the_server(vllm_server, bucket_root):
-    """The main example with --vllm-url: a real GRPOTrainer(use_vllm=True, vllm_mode="server")."""
-    bucket = bucket_root / "grpo-vllm"
-    completions_before = vllm_server.log_tail(10**9).count("POST /v1/completions")
+def run_example(server, bucket, *args: str) -> str:
+    """Run the main example with --vllm-url in the vLLM environment (TRL needs vLLM importable)."""
     result = subprocess.run(
         [str(vllm_python()), str(REPO / "examples" / "grpo_delta_sync.py"), "--bucket", str(bucket),
-         "--steps", "6", "--anchor-every", "4", "--vllm-url", vllm_server.url],
-        capture_output=True, text=True, timeout=1200, cwd=bucket_root,
+         "--vllm-url", server.url, *args],
+        capture_output=True, text=True, timeout=1200, cwd=bucket.parent,
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
+    return output
+
+
+def test_grpo_trainer_generates_through_the_server(vllm_server, bucket_root):
+    """The main example with --vllm-url: a real GRPOTrainer(use_vllm=True, vllm_mode="server")."""
+    completions_before = vllm_server.log_tail(10**9).count("POST /v1/completions")
+    output = run_example(vllm_server, bucket_root / "grpo-vllm", "--steps", "6", "--anchor-every", "4")
     assert re.search(r"vLLM server checks\s+6\n", output), output[-3000:]
     assert re.search(r"vLLM server bit-exact\s+yes", output), output[-3000:]
     assert re.search(r"replica bit-exact\s+yes", output), output[-3000:]
@@ -244,13 +249,7 @@ def test_grpo_trainer_generates_through_the_server(vllm_server, bucket_root):
 
 def test_grpo_trainer_with_bounded_staleness(vllm_server, bucket_root):
     """Asynchronous mode: generation may run one version behind; the server still ends bit-exact."""
-    result = subprocess.run(
-        [str(vllm_python()), str(REPO / "examples" / "grpo_delta_sync.py"), "--bucket", str(bucket_root / "async"),
-         "--steps", "5", "--max-staleness", "1", "--vllm-url", vllm_server.url],
-        capture_output=True, text=True, timeout=1200, cwd=bucket_root,
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-6000:]
+    output = run_example(vllm_server, bucket_root / "async", "--steps", "5", "--max-staleness", "1")
     assert re.search(r"vLLM server checks\s+1\n", output), output[-3000:]
     assert re.search(r"vLLM server bit-exact\s+yes", output), output[-3000:]
     assert vllm_server.status()["version"] == 5
