@@ -160,15 +160,16 @@ def main(argv: list[str] | None = None) -> dict:
             trl_previous.update(current)
 
         rows["trl_v1"].append(timed(trl_v1))
-        rows["delta_sync"].append(timed(lambda: publisher.publish(step)))
+        rows["delta_sync"].append(timed(lambda step=step: publisher.publish(step)))
         report = publisher.reports[-1]
         bytes_per_step.append(report.delta_bytes)
         changed_per_step.append(report.changed_elements)
 
         delta = read_file(work / "bucket" / delta_path(step))
-        rows["verify_apply"].append(timed(lambda: receiver.apply(delta)))
+        rows["verify_apply"].append(timed(lambda delta=delta: receiver.apply(delta)))
         assert receiver.model_checksum == report.model_checksum
-        rows["load"].append(timed(lambda: load([(name, receiver.weights[name]) for name in delta.changes])))
+        changed = [(name, receiver.weights[name]) for name in sorted(delta.changes)]
+        rows["load"].append(timed(lambda changed=changed: load(changed)))
 
     anchor_file = work / "bucket" / anchor_path(1)
 

@@ -25,7 +25,7 @@ from .errors import (
 )
 from .format import Anchor, Delta, FileHeader, SparseChange, read_file
 from .layout import Latest, anchor_path, delta_path
-from .publisher import PublishReport, Publisher
+from .publisher import Publisher, PublishReport
 from .receiver import ApplyResult, Receiver, expected_shapes_of, module_weight_loader
 from .storage import Bucket, LocalBucket, open_bucket
 

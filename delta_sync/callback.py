@@ -12,7 +12,7 @@ from transformers.trainer_callback import CallbackHandler
 
 from . import trl_vllm
 from .detector import BF16ChangeDetector
-from .publisher import PublishReport, Publisher
+from .publisher import Publisher, PublishReport
 from .replicas import ReplicaSet
 
 __all__ = ["DeltaSyncCallback", "DeltaSyncConfig"]

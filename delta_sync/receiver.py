@@ -288,7 +288,7 @@ class Receiver:
                 held=self.version,
                 base=header.base_version,
             )
-        for name, change in delta.changes.items():
+        for name in delta.changes:
             held = self.weights.get(name)
             if held is None:
                 raise ApplyError(f"{source}: unknown parameter {name!r}")

@@ -31,7 +31,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, TrainerCallback
+from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from delta_sync import DeltaSyncCallback, Receiver, expected_shapes_of, module_weight_loader

@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import TwoTower, bf16_state, bits, train_step
 from delta_sync import BF16ChangeDetector, canonical_name
+
+from conftest import TwoTower, bf16_state, bits, train_step
 
 
 def expected_changes(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -44,7 +45,7 @@ def test_exact_against_brute_force(dtype, optimizer_kind, steps_per_sync, seeded
     detector = BF16ChangeDetector(model, optimizer)
     before = bf16_state(model)
     seed = 0
-    for sync in range(4):
+    for _ in range(4):
         for _ in range(steps_per_sync):
             # Gradient accumulation over two micro-batches; the side branch sits out odd steps.
             train_step(model, optimizer, seed=seed, use_side=seed % 2 == 0, micro_batches=2)

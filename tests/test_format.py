@@ -9,10 +9,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import assert_bit_exact
 from delta_sync import Anchor, Delta, FileHeader, FormatError, SparseChange, read_file
 from delta_sync.format import index_dtype, write_anchor, write_delta
 from delta_sync.integrity import model_checksum, tensor_checksum, updated_checksum
+
+from conftest import assert_bit_exact
 
 
 def anchor_header(tensors: dict[str, torch.Tensor], version: int = 1) -> FileHeader:

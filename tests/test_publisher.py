@@ -8,9 +8,10 @@ import time
 import pytest
 import torch
 
-from conftest import PublishedRun, TwoTower, assert_bit_exact, bf16_state, replica_receiver, train_step
-from delta_sync import BF16ChangeDetector, Latest, PublishError, Publisher, read_file
+from delta_sync import BF16ChangeDetector, Latest, Publisher, PublishError, read_file
 from delta_sync.layout import step_versions
+
+from conftest import PublishedRun, TwoTower, assert_bit_exact, bf16_state, replica_receiver, train_step
 
 
 def wait_for(condition, timeout: float = 30.0) -> None:

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 
 import pytest
 import torch
 
-from conftest import assert_bit_exact, bf16_state, replica_receiver
 from delta_sync import (
     ApplyError,
     BaseVersionError,
@@ -24,6 +22,8 @@ from delta_sync import (
     read_file,
 )
 from delta_sync.format import write_delta
+
+from conftest import assert_bit_exact, bf16_state, replica_receiver
 
 
 def test_catch_up_then_follow_file_by_file(run):

@@ -17,6 +17,7 @@ import torch
 from delta_sync import BF16ChangeDetector, Publisher, anchor_path, delta_path, read_file
 from delta_sync.integrity import model_checksum, tensor_checksum
 from delta_sync.replicas import ReplicaSet
+
 from vllm_server import REPO, free_port, vllm_python
 
 pytestmark = pytest.mark.slow
@@ -64,7 +65,7 @@ class TinyTrainer:
 
         reference = copy.deepcopy(self.model)
         with torch.no_grad():
-            for name, param in reference.named_parameters():
+            for param in reference.parameters():
                 param.copy_(param.to(torch.bfloat16).float())
         return reference.eval()
 
