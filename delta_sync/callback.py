@@ -25,7 +25,8 @@ class DeltaSyncConfig:
     """Configuration of [`DeltaSyncCallback`].
 
     Args:
-        bucket: Where to publish: a local directory or `file://` URL.
+        bucket: Where to publish: a local directory, or a `file://`, `hf://buckets/...` or
+            `s3://...` URL (see `delta_sync.storage.open_bucket`).
         sync_every: Publish a version every this many optimizer steps (the version number
             is the trainer's `global_step`).
         anchor_every: Write a full anchor every this many versions, besides the first.

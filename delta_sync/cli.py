@@ -1,4 +1,10 @@
-"""The `delta-sync` command line: inspect a file, verify a bucket."""
+"""The `delta-sync` command line: inspect a file, verify a bucket.
+
+Both take local paths and bucket URLs (`file://`, `hf://buckets/...`, `s3://...`):
+
+    delta-sync inspect s3://my-bucket/run1/deltas/step_00000002.safetensors
+    delta-sync verify hf://buckets/me/deltas
+"""
 
 from __future__ import annotations
 
@@ -6,17 +12,41 @@ import argparse
 import json
 import logging
 import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
-from .errors import DeltaSyncError
+from .errors import BucketPathError, DeltaSyncError
 from .format import Anchor, Delta, read_file
+from .layout import ANCHOR_DIR, DELTA_DIR
+from .storage import open_bucket
 from .verify import verify_bucket
 
 __all__ = ["main"]
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    file = read_file(args.file)
+    if "://" in args.file and not args.file.startswith("file://"):
+        with tempfile.TemporaryDirectory(prefix="delta-sync-inspect-") as tmp:
+            return _describe(args, read_file(_fetch(args.file, Path(tmp)), source=args.file))
+    return _describe(args, read_file(args.file[len("file://"):] if args.file.startswith("file://") else args.file))
+
+
+def _fetch(url: str, directory: Path) -> Path:
+    """Download the bucket file a URL names, e.g. `s3://b/run1/deltas/step_00000002.safetensors`."""
+    base, _, name = url.rstrip("/").rpartition("/")
+    path = name
+    parent, _, folder = base.rpartition("/")
+    if folder in (ANCHOR_DIR, DELTA_DIR):
+        base, path = parent, f"{folder}/{name}"
+    if not name or "://" not in base:
+        raise BucketPathError(f"{url!r} does not name a file inside a bucket")
+    local = directory / name
+    open_bucket(base).download(path, local)
+    return local
+
+
+def _describe(args: argparse.Namespace, file: Anchor | Delta) -> int:
     header = file.header
     if isinstance(file, Delta):
         per_tensor = {
@@ -82,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     inspect = commands.add_parser("inspect", help="describe an anchor or delta file")
-    inspect.add_argument("file", help="path of a .safetensors anchor or delta")
+    inspect.add_argument("file", help="a .safetensors anchor or delta: a local path or a bucket URL")
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
     inspect.set_defaults(run=_inspect)
 

@@ -71,6 +71,10 @@ class BucketConflictError(BucketError, FileExistsError):
     """A file that must not be overwritten already exists (e.g. another trainer wrote that version)."""
 
 
+class BucketUnavailableError(BucketError, ConnectionError):
+    """The store kept failing with transient errors (connection, 429, 5xx) until the retry budget ran out."""
+
+
 class UntrustedBucketError(ApplyError):
     """A receiver was asked to load weights from a bucket it is not configured to trust."""
 

@@ -97,7 +97,8 @@ class Publisher:
     is written as an anchor so replicas can recover.
 
     Args:
-        bucket: Where to write: a [`Bucket`] or a URL (`./dir`, `file://...`).
+        bucket: Where to write: a [`Bucket`] or a URL (`./dir`, `file://...`, `hf://buckets/...`,
+            `s3://...`).
         detector: The change detector of the model being trained.
         anchor_every: Write an anchor every this many versions (and at the first).
         keep_anchors: How many anchors to keep; older anchors and the deltas before the

@@ -8,6 +8,11 @@ the trainer bit for bit after every sync.
 
     python examples/grpo_delta_sync.py --bucket ./deltas --steps 20
 
+`--bucket` takes any bucket URL (see docs/buckets.md for the one-time setup):
+
+    python examples/grpo_delta_sync.py --bucket hf://buckets/me/deltas/run1
+    python examples/grpo_delta_sync.py --bucket s3://my-bucket/run1
+
 Then check the bucket on its own:
 
     delta-sync verify ./deltas
@@ -95,7 +100,10 @@ class ReplicaCheck(TrainerCallback):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bucket", default="./deltas", help="bucket URL or local directory (default: ./deltas)")
+    parser.add_argument(
+        "--bucket", default="./deltas",
+        help="local directory or bucket URL: file://, hf://buckets/..., s3://... (default: ./deltas)",
+    )
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default: 20; 0 only builds the model)")
     parser.add_argument("--anchor-every", type=int, default=10, help="full anchor every N versions (default: 10)")
     parser.add_argument("--keep-anchors", type=int, default=2, help="anchors kept in the bucket (default: 2)")

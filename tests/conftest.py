@@ -107,6 +107,17 @@ def replica_receiver(**kwargs):
     return receiver, replica
 
 
+# Bucket backends (local, Hugging Face, S3) and their test servers.
+from bucket_fixtures import (  # noqa: E402,F401
+    _xet_session_env,
+    bucket_target,
+    hf_target,
+    hub_server,
+    s3_server,
+    s3_target,
+)
+
+
 # -- a real vLLM server, shared by every test that needs one --------------------------------
 
 

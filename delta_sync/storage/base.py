@@ -55,8 +55,13 @@ class Bucket(ABC):
             path: Destination inside the bucket.
             source: The content, or a local file holding it.
             overwrite: With False, refuse to replace an existing file: raise
-                [`BucketConflictError`]. Where the store supports conditional writes this
-                check is atomic; see each backend for its guarantee.
+                [`BucketConflictError`], unless it already holds exactly this content (a
+                retried write that meets its own earlier success). Where the store supports
+                conditional writes this check is atomic; see each backend for its guarantee.
+
+        Raises:
+            BucketConflictError: `overwrite` is False and another content is at `path`.
+            BucketUnavailableError: Transient failures outlasted the retry budget.
         """
 
     @abstractmethod

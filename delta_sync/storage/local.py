@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import filecmp
 import os
-import shutil
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -11,6 +11,7 @@ from urllib.parse import unquote, urlparse
 
 from ..errors import BucketConflictError, BucketFileNotFoundError
 from .base import Bucket, clean_path
+from .progress import copy_with_progress
 
 __all__ = ["LocalBucket"]
 
@@ -57,7 +58,7 @@ class LocalBucket(Bucket):
                     out.write(source)
                 else:
                     with open(source, "rb") as src:
-                        shutil.copyfileobj(src, out, length=16 << 20)
+                        copy_with_progress(src, out, f"upload {path}", os.fstat(src.fileno()).st_size)
                 out.flush()
                 os.fsync(out.fileno())
             if overwrite:
@@ -67,7 +68,9 @@ class LocalBucket(Bucket):
                 try:
                     os.link(tmp, dest)
                 except FileExistsError:
-                    raise BucketConflictError(f"{self.url}: {path!r} already exists") from None
+                    # The same content is not a conflict: a retried write meeting its own first try.
+                    if not filecmp.cmp(tmp, dest, shallow=False):
+                        raise BucketConflictError(f"{self.url}: {path!r} already exists") from None
                 Path(tmp).unlink()
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -81,7 +84,8 @@ class LocalBucket(Bucket):
         os.close(fd)
         try:
             try:
-                shutil.copyfile(src, tmp)
+                with open(src, "rb") as source, open(tmp, "wb") as out:
+                    copy_with_progress(source, out, f"download {path}", os.fstat(source.fileno()).st_size)
             except FileNotFoundError:
                 raise BucketFileNotFoundError(f"{self.url}: no file {path!r}") from None
             os.replace(tmp, dest)

@@ -1,0 +1,339 @@
+"""`HFBucket`: a Hugging Face Storage Bucket, through huggingface_hub's bucket API."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+from ..errors import (
+    BucketConflictError,
+    BucketError,
+    BucketFileNotFoundError,
+    BucketNotFoundError,
+    BucketPathError,
+    BucketPermissionError,
+    DeltaSyncError,
+)
+from .base import Bucket, clean_path
+from .progress import show_progress
+from .retry import RetryPolicy
+
+if TYPE_CHECKING:
+    from huggingface_hub import BucketFile, HfApi
+
+__all__ = ["HFBucket", "parse_hf_url"]
+
+T = TypeVar("T")
+
+SCHEME = "hf://buckets/"
+_TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
+
+
+def parse_hf_url(url: str) -> tuple[str, str]:
+    """Split `hf://buckets/<namespace>/<name>[/prefix]` into the bucket id and the prefix ("" for none).
+
+    Raises:
+        BucketPathError: The URL is not of that form, or its prefix escapes the bucket.
+
+    Example:
+        ```python
+        >>> parse_hf_url("hf://buckets/me/deltas/run1")
+        ('me/deltas', 'run1')
+        ```
+    """
+    if not url.startswith(SCHEME):
+        raise BucketPathError(f"not a Hugging Face bucket URL: {url!r} (expected hf://buckets/<namespace>/<name>[/prefix])")
+    parts = url[len(SCHEME) :].rstrip("/").split("/")
+    if len(parts) < 2 or not parts[0] or not parts[1]:
+        raise BucketPathError(f"{url!r} lacks a namespace and a bucket name (hf://buckets/<namespace>/<name>[/prefix])")
+    prefix = clean_path("/".join(parts[2:])) if len(parts) > 2 else ""
+    return f"{parts[0]}/{parts[1]}", prefix
+
+
+class HFBucket(Bucket):
+    """A prefix inside a Hugging Face Storage Bucket.
+
+    Bytes move through Xet storage (`hf_xet`); every write is one `batch` call that
+    makes the file visible only once it is fully stored, so readers never see a part
+    of it. Files go up from disk, never through a giant in-memory byte string.
+
+    Authentication is huggingface_hub's: the `token` argument, else `HF_TOKEN`, else the
+    token file written by `hf auth login`. The endpoint is `endpoint`, else `HF_ENDPOINT`,
+    else the public Hub. huggingface_hub retries its own API calls on 429 and 5xx; the
+    [`RetryPolicy`] adds a bounded retry around each whole operation, which also covers
+    bucket creation and the Xet transfer itself.
+
+    `upload(..., overwrite=False)` checks that the path is free before the batch: Hugging
+    Face Buckets have no atomic create-if-absent, so two writers racing for the same new
+    path can both succeed. delta-sync assumes a single trainer per prefix here (the
+    Publisher refuses to start on a prefix that holds another run's files). An upload
+    that finds its own earlier write (same Xet hash, e.g. after a lost response) succeeds.
+
+    Args:
+        url: `hf://buckets/<namespace>/<name>[/prefix]`.
+        token: A Hugging Face token; None for the usual lookup, False for none.
+        endpoint: The Hub's URL; defaults to `HF_ENDPOINT` or the public Hub.
+        create: Create the bucket if it does not exist (needs a token that may create
+            buckets in the namespace).
+        private: Visibility of a bucket that `create` creates (None: the namespace default).
+        retry: Retry policy; [`RetryPolicy.from_env`] by default.
+
+    Example:
+        ```python
+        >>> bucket = HFBucket("hf://buckets/me/deltas/run1", create=True)
+        >>> bucket.upload("latest.json", b"{}")
+        >>> bucket.list()
+        ['latest.json']
+        ```
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | bool | None = None,
+        endpoint: str | None = None,
+        create: bool = False,
+        private: bool | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        try:
+            from huggingface_hub import HfApi, constants
+        except ImportError as exc:
+            raise ImportError(
+                "hf:// buckets need huggingface_hub and hf_xet: pip install 'delta-sync[hf]'"
+            ) from exc
+        self.bucket_id, prefix = parse_hf_url(url)
+        self.prefix = prefix + "/" if prefix else ""
+        self.url = SCHEME + self.bucket_id + ("/" + prefix if prefix else "")
+        self.endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+        self.retry = retry or RetryPolicy.from_env()
+        self._api: HfApi = HfApi(endpoint=self.endpoint, token=token)
+        if create:
+            self._run(
+                "create the bucket",
+                None,
+                lambda: self._api.create_bucket(self.bucket_id, private=private, exist_ok=True),
+            )
+
+    # -- Bucket interface -----------------------------------------------------------------
+
+    def upload(self, path: str, source: bytes | os.PathLike, *, overwrite: bool = True) -> None:
+        key = self._key(path)
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            content: bytes | str = bytes(source)
+            size = len(content)
+        else:
+            content = os.fspath(source)
+            if not os.path.isfile(content):
+                raise FileNotFoundError(f"no local file {content!r} to upload to {self.url}/{path}")
+            size = os.path.getsize(content)
+        own_hash: list[str] = []
+
+        def attempt() -> None:
+            if not overwrite:
+                existing = self._file_info(key)
+                if existing is not None:
+                    if not own_hash:
+                        own_hash.append(_xet_hash(content))
+                    if existing.xet_hash == own_hash[0]:
+                        return  # an earlier attempt stored it and only its answer was lost
+                    raise BucketConflictError(f"{self.url}: {path!r} already exists")
+            with _hub_progress(show_progress(size)):
+                self._api.batch_bucket_files(self.bucket_id, add=[(content, key)])
+
+        self._run("upload", path, attempt)
+
+    def download(self, path: str, dest: os.PathLike) -> None:
+        key = self._key(path)
+        dest = Path(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp"
+
+        def attempt() -> None:
+            info = self._file_info(key)
+            if info is None:
+                raise BucketFileNotFoundError(f"{self.url}: no file {path!r}")
+            tmp.unlink(missing_ok=True)
+            with _hub_progress(show_progress(info.size)):
+                self._api.download_bucket_files(self.bucket_id, [(info, str(tmp))], raise_on_missing_files=True)
+            got = tmp.stat().st_size if tmp.is_file() else None
+            if got != info.size:
+                raise _IncompleteTransfer(f"got {got} of {info.size} bytes")
+
+        try:
+            self._run("download", path, attempt)
+            os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def read_bytes(self, path: str) -> bytes:
+        with tempfile.TemporaryDirectory(prefix="delta-sync-hf-") as tmp:
+            local = Path(tmp) / "file"
+            self.download(path, local)
+            return local.read_bytes()
+
+    def list(self, prefix: str = "") -> list[str]:
+        under = self.prefix + (clean_path(prefix) + "/" if prefix else "")
+
+        def attempt() -> list[str]:
+            from huggingface_hub import BucketFile
+
+            entries = self._api.list_bucket_tree(self.bucket_id, prefix=under or None, recursive=True)
+            return [e.path for e in entries if isinstance(e, BucketFile) and e.path.startswith(under)]
+
+        return sorted(key[len(self.prefix) :] for key in self._run("list", prefix or None, attempt))
+
+    def delete(self, paths: Iterable[str]) -> None:
+        keys = [self._key(path) for path in paths]
+        if not keys:
+            return
+
+        def attempt() -> None:
+            # Only paths that exist: deleting an absent path is not an error here.
+            present = [info.path for info in self._api.get_bucket_paths_info(self.bucket_id, keys)]
+            if present:
+                self._api.batch_bucket_files(self.bucket_id, delete=present)
+
+        self._run("delete", keys[0][len(self.prefix) :] if len(keys) == 1 else f"{len(keys)} files", attempt)
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _key(self, path: str) -> str:
+        return self.prefix + clean_path(path)
+
+    def _file_info(self, key: str) -> BucketFile | None:
+        for info in self._api.get_bucket_paths_info(self.bucket_id, [key]):
+            if info.path == key:
+                return info
+        return None
+
+    def _run(self, op: str, path: str | None, fn: Callable[[], T]) -> T:
+        what = f"{self.url}: {op}" + (f" {path!r}" if path else "")
+        try:
+            return self.retry.call(fn, transient=_is_transient, what=what)
+        except DeltaSyncError:
+            raise
+        except Exception as exc:
+            raise _translate(exc, self, what, path) from exc
+
+
+class _IncompleteTransfer(ConnectionError):
+    """A download ended with fewer bytes than the file has (retried)."""
+
+
+def _xet_hash(content: bytes | str) -> str:
+    import hf_xet
+
+    if isinstance(content, str):
+        return hf_xet.hash_files([content])[0].hash
+    with tempfile.NamedTemporaryFile(prefix="delta-sync-hash-") as tmp:
+        tmp.write(content)
+        tmp.flush()
+        return hf_xet.hash_files([tmp.name])[0].hash
+
+
+def _status(exc: BaseException) -> int | None:
+    response = getattr(exc, "response", None)
+    return getattr(response, "status_code", None)
+
+
+def _is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, DeltaSyncError):
+        return False
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if isinstance(exc, HfHubHTTPError):
+        return _status(exc) in _TRANSIENT_STATUS
+    try:
+        import httpx2 as httpx
+    except ImportError:  # older huggingface_hub releases use httpx
+        import httpx
+    if isinstance(exc, httpx.TransportError):
+        return True
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        # hf_xet reports HTTP failures of its token and transfer calls as ConnectionError
+        # with the status in the message; client errors other than 408/429 are permanent.
+        text = str(exc)
+        return not any(f"({code}" in text or f" {code} " in text for code in (400, 401, 403, 404, 409, 422))
+    return False
+
+
+def _translate(exc: Exception, bucket: HFBucket, what: str, path: str | None) -> BucketError:
+    from huggingface_hub.errors import (
+        BucketBatchError,
+        EntryNotFoundError,
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+    )
+    from huggingface_hub.errors import (
+        BucketNotFoundError as HubBucketNotFound,
+    )
+
+    text = str(exc)
+    status = _status(exc)
+    if status is None and (match := re.search(r"\((\d{3}) [A-Za-z ]+\)", text)):
+        status = int(match.group(1))  # hf_xet puts the HTTP status in the message
+    if isinstance(exc, (HubBucketNotFound, RepositoryNotFoundError)):
+        return BucketNotFoundError(
+            f"{what}: bucket {bucket.bucket_id} not found at {bucket.endpoint}, or not visible with this token"
+        )
+    if status == 404 and "xet-" in text and "-token" in text:  # the bucket's token route itself is missing
+        return BucketNotFoundError(
+            f"{what}: bucket {bucket.bucket_id} not found at {bucket.endpoint}, or not visible with this token"
+        )
+    if isinstance(exc, EntryNotFoundError) or type(exc).__name__ == "XetObjectNotFoundError":
+        return BucketFileNotFoundError(f"{bucket.url}: no file {path!r}")
+    if status in (401, 403) or type(exc).__name__ == "XetAuthenticationError" or any(
+        marker in text for marker in ("(401", "(403", "401 Unauthorized", "403 Forbidden")
+    ):
+        return BucketPermissionError(
+            f"{what}: permission denied (HTTP {status}); check the token (HF_TOKEN, `hf auth login`) "
+            f"has {'write' if 'upload' in what or 'delete' in what or 'create' in what else 'read'} access "
+            f"to bucket {bucket.bucket_id}"
+        )
+    if isinstance(exc, BucketBatchError):
+        return BucketError(f"{what}: the Hub refused the batch: {exc}")
+    if isinstance(exc, HfHubHTTPError):
+        return BucketError(f"{what}: HTTP {status}: {exc}")
+    return BucketError(f"{what}: {type(exc).__name__}: {exc}")
+
+
+_quiet_lock = threading.Lock()
+_quiet_users = 0
+_quiet_reenable = False
+
+
+@contextmanager
+def _hub_progress(show: bool) -> Iterator[None]:
+    """Let huggingface_hub draw its transfer bars only for large files on a terminal.
+
+    Its bars can only be switched off process-wide; a count of the transfers that want
+    them off keeps concurrent transfers (publisher and receiver threads) consistent.
+    """
+    global _quiet_users, _quiet_reenable
+    if show:
+        yield
+        return
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    with _quiet_lock:
+        if _quiet_users == 0:
+            _quiet_reenable = not are_progress_bars_disabled()
+            if _quiet_reenable:
+                disable_progress_bars()
+        _quiet_users += 1
+    try:
+        yield
+    finally:
+        with _quiet_lock:
+            _quiet_users -= 1
+            if _quiet_users == 0 and _quiet_reenable:
+                enable_progress_bars()
