@@ -28,7 +28,7 @@ from .errors import (
 )
 from .format import Anchor, Delta, read_file
 from .integrity import PayloadHasher, model_checksum, tensor_checksum, updated_checksum
-from .layout import LATEST, Latest, anchor_path, delta_path, step_versions
+from .layout import LATEST, Latest, anchor_path, delta_path, parse_step_path, step_versions
 from .parallel import parallel_map
 from .sparse import gather, scatter_
 from .storage import Bucket, clean_path, open_bucket
@@ -179,7 +179,9 @@ class Receiver:
         path = clean_path(filename)
         local = self.cache.fetch(opened, path)
         file = read_file(local, source=f"{opened.url}/{path}")
-        return self._timed(self.apply(file), started)
+        result = self.apply(file)
+        self._prune_cache(opened)
+        return self._timed(result, started)
 
     def catch_up(self, bucket: Bucket | str | os.PathLike) -> ApplyResult:
         """Reach the version `latest.json` names: deltas from the held version when they
@@ -194,7 +196,24 @@ class Receiver:
         except BucketFileNotFoundError as exc:
             logger.warning("delta-sync: %s; starting the catch-up over from latest.json", exc)
             result = self._catch_up(opened)
+        self._prune_cache(opened)
         return self._timed(result, started)
+
+    def _prune_cache(self, bucket: Bucket) -> None:
+        """Drop downloads no catch-up from the held version can use: anchors older than the
+        held one, deltas more than one version old (a sibling worker may still be applying
+        the previous one)."""
+        if self.version is None or self.anchor_version is None:
+            return
+
+        def keep(path: str) -> bool:
+            parsed = parse_step_path(path)
+            if parsed is None:
+                return True
+            kind, version = parsed
+            return version >= (self.anchor_version if kind == "anchor" else self.version - 1)
+
+        self.cache.prune(bucket, keep)
 
     def _catch_up(self, bucket: Bucket) -> ApplyResult:
         latest = Latest.from_json(bucket.read_bytes(LATEST), source=f"{bucket.url}/{LATEST}")

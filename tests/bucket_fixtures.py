@@ -66,8 +66,6 @@ def _xet_session_env(tmp_path_factory) -> Iterator[None]:
 @pytest.fixture(scope="session")
 def hub_server(_xet_session_env):
     """The Hub test double, with a token, on a free loopback port."""
-    pytest.importorskip("huggingface_hub")
-    pytest.importorskip("hf_xet")
     from hub_server import HubServer
 
     with HubServer(token=HF_TOKEN) as server:
@@ -77,7 +75,6 @@ def hub_server(_xet_session_env):
 @pytest.fixture(scope="session")
 def s3_server():
     """SeaweedFS with one bucket for all tests (each test gets its own prefix)."""
-    pytest.importorskip("boto3")
     from s3_server import seaweedfs_s3
 
     with seaweedfs_s3() as server:

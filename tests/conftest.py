@@ -137,13 +137,25 @@ def served_model(tmp_path_factory):
     return path
 
 
+#: The Hugging Face bucket (on the Hub test double) the shared vLLM server also trusts.
+VLLM_HF_BUCKET = "user/vllm-e2e"
+
+
 @pytest.fixture(scope="session")
-def vllm_server(served_model, bucket_root, tmp_path_factory):
+def vllm_server(served_model, bucket_root, hub_server, tmp_path_factory):
+    from bucket_fixtures import HF_TOKEN, XET_RETRY_ENV
     from vllm_server import VLLMServer
 
     logs = tmp_path_factory.mktemp("vllm")
-    server = VLLMServer(served_model, allowed_buckets=bucket_root.as_uri(), log_path=logs / "server.log",
-                        cache_dir=logs / "cache")
+    server = VLLMServer(
+        served_model,
+        allowed_buckets=f"{bucket_root.as_uri()},hf://buckets/{VLLM_HF_BUCKET}",
+        log_path=logs / "server.log",
+        cache_dir=logs / "cache",
+        # The replica reaches the Hugging Face bucket through the Hub test double, like a user's would.
+        extra_env={"HF_ENDPOINT": hub_server.endpoint, "HF_TOKEN": HF_TOKEN, "HF_XET_CACHE": str(logs / "xet"),
+                   "DELTA_SYNC_RETRY_SECONDS": "10", **XET_RETRY_ENV},
+    )
     server.start()
     yield server
     server.stop()

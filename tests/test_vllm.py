@@ -254,3 +254,41 @@ def test_grpo_trainer_with_bounded_staleness(vllm_server, bucket_root):
     assert re.search(r"vLLM server checks\s+1\n", output), output[-3000:]
     assert re.search(r"vLLM server bit-exact\s+yes", output), output[-3000:]
     assert vllm_server.status()["version"] == 5
+
+
+def test_server_reads_deltas_from_a_hugging_face_bucket(vllm_server, served_model, hub_server, monkeypatch):
+    """The replica side through the real huggingface_hub + hf_xet client (Hub test double)."""
+    from bucket_fixtures import HF_TOKEN
+    from conftest import VLLM_HF_BUCKET
+
+    from delta_sync.storage.hf import HFBucket
+
+    monkeypatch.setenv("HF_ENDPOINT", hub_server.endpoint)
+    monkeypatch.setenv("HF_TOKEN", HF_TOKEN)
+    url = f"hf://buckets/{VLLM_HF_BUCKET}"
+    HFBucket(url, create=True)
+    trainer = TinyTrainer(served_model, url)
+    try:
+        for _ in range(3):
+            trainer.step()
+            report = trainer.publisher.reports[-1]
+            response = vllm_server.update(url, report.delta or report.anchor)
+            assert response.status_code == 200, response.text
+            assert vllm_server.status()["model_checksum"] == report.model_checksum == trainer.checksum()
+        # The published TRL client names the bucket by id, as `repo_id`.
+        trainer.step()
+        assert vllm_server.post("/start_weight_update").status_code == 200
+        response = vllm_server.post("/update_weights", json={"update_info": {
+            "repo_id": VLLM_HF_BUCKET, "filename": trainer.publisher.reports[-1].delta}})
+        assert response.status_code == 200, response.text
+        assert vllm_server.post("/finish_weight_update").status_code == 200
+        assert vllm_server.status()["version"] == 4
+        # Catch-up with no filename, across two missed versions.
+        trainer.step()
+        trainer.step()
+        assert vllm_server.update(url).status_code == 200
+        status = vllm_server.status()
+        assert status["version"] == 6 and status["model_checksum"] == trainer.checksum()
+        assert vllm_server.greedy(PROMPT) == greedy(trainer.reference(), PROMPT)
+    finally:
+        trainer.close()

@@ -82,7 +82,6 @@ class VLLMServer:
             VLLM_CPU_KVCACHE_SPACE="1",
             DELTA_SYNC_ALLOWED_BUCKETS=allowed_buckets,
             DELTA_SYNC_CACHE=str(cache_dir),
-            HF_HUB_OFFLINE="1",
             TOKENIZERS_PARALLELISM="false",
             **(extra_env or {}),
         )

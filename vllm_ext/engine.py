@@ -21,6 +21,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +56,8 @@ class DeltaUpdateInfo(WeightTransferUpdateInfo):
     """The `update_info` of `/update_weights`.
 
     Args:
-        bucket: Bucket URL (`file://...`, a local path, `hf://buckets/...`, `s3://...`).
+        bucket: Bucket URL (`file://...`, an absolute path, `hf://buckets/...`, `s3://...`),
+            or a Hugging Face bucket id `namespace/name`.
         filename: Path of an anchor or delta inside the bucket; None catches up to the
             bucket's `latest.json`.
         repo_id: Alias of `bucket`, as the published TRL client sends it.
@@ -72,6 +74,12 @@ class DeltaUpdateInfo(WeightTransferUpdateInfo):
             raise ValueError(f"update_info names two buckets: bucket={self.bucket!r}, repo_id={self.repo_id!r}")
         if not self.bucket:
             raise ValueError("update_info needs 'bucket' (or its alias 'repo_id')")
+        if _HF_BUCKET_ID.fullmatch(self.bucket):
+            # A bare `namespace/name`, as the published TRL client sends: a Hugging Face bucket.
+            self.bucket = f"hf://buckets/{self.bucket}"
+
+
+_HF_BUCKET_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
 class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):

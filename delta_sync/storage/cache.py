@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from filelock import FileLock
@@ -59,11 +60,21 @@ class DownloadCache:
                 bucket.download(path, dest)
         return dest
 
-    def discard(self, bucket: Bucket, paths: list[str]) -> None:
-        """Remove cached copies of `paths` (files of a local bucket are never touched)."""
-        if bucket.local_path("x") is not None:
-            return
+    def prune(self, bucket: Bucket, keep: Callable[[str], bool]) -> int:
+        """Delete cached files of `bucket` whose bucket path `keep` rejects; returns how many.
+
+        A file another process still has open stays readable until closed (POSIX), and a
+        later `fetch` downloads it again, so pruning never breaks a concurrent reader.
+        """
         base = self._bucket_dir(bucket)
-        for path in paths:
-            (base / clean_path(path)).unlink(missing_ok=True)
-            (base / (clean_path(path) + ".lock")).unlink(missing_ok=True)
+        if bucket.local_path("latest.json") is not None or not base.is_dir():
+            return 0
+        removed = 0
+        for file in base.rglob("*"):
+            if not file.is_file() or file.name.endswith(".lock"):
+                continue
+            if not keep(file.relative_to(base).as_posix()):
+                file.unlink(missing_ok=True)
+                Path(str(file) + ".lock").unlink(missing_ok=True)
+                removed += 1
+        return removed
