@@ -50,17 +50,19 @@ def qwen_like_shapes(params: float) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden)}
     for i in range(layers):
         prefix = f"model.layers.{i}"
-        shapes.update({
-            f"{prefix}.self_attn.q_proj.weight": (hidden, hidden),
-            f"{prefix}.self_attn.k_proj.weight": (hidden, hidden),
-            f"{prefix}.self_attn.v_proj.weight": (hidden, hidden),
-            f"{prefix}.self_attn.o_proj.weight": (hidden, hidden),
-            f"{prefix}.mlp.gate_proj.weight": (3 * hidden, hidden),
-            f"{prefix}.mlp.up_proj.weight": (3 * hidden, hidden),
-            f"{prefix}.mlp.down_proj.weight": (hidden, 3 * hidden),
-            f"{prefix}.input_layernorm.weight": (hidden,),
-            f"{prefix}.post_attention_layernorm.weight": (hidden,),
-        })
+        shapes.update(
+            {
+                f"{prefix}.self_attn.q_proj.weight": (hidden, hidden),
+                f"{prefix}.self_attn.k_proj.weight": (hidden, hidden),
+                f"{prefix}.self_attn.v_proj.weight": (hidden, hidden),
+                f"{prefix}.self_attn.o_proj.weight": (hidden, hidden),
+                f"{prefix}.mlp.gate_proj.weight": (3 * hidden, hidden),
+                f"{prefix}.mlp.up_proj.weight": (3 * hidden, hidden),
+                f"{prefix}.mlp.down_proj.weight": (hidden, 3 * hidden),
+                f"{prefix}.input_layernorm.weight": (hidden,),
+                f"{prefix}.post_attention_layernorm.weight": (hidden,),
+            }
+        )
     shapes["model.norm.weight"] = (hidden,)
     return shapes
 
@@ -71,7 +73,8 @@ class FlatModel(nn.Module):
         generator = torch.Generator().manual_seed(seed)
         self.names = list(shapes)
         self.params = nn.ParameterList(
-            nn.Parameter((torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)) for shape in shapes.values()
+            nn.Parameter((torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16))
+            for shape in shapes.values()
         )
 
     def named_parameters(self, *args, **kwargs):  # checkpoint names, as a transformers model has
@@ -199,23 +202,37 @@ def main(argv: list[str] | None = None) -> dict:
         "snapshot_bytes_trainer": sum(t.numel() * t.element_size() for t in detector.snapshot.values()),
         "snapshot_bytes_replica": sum(t.numel() * t.element_size() for t in receiver.weights.values()),
     }
-    print(f"model: {numel / 1e6:.1f}M bf16 parameters, {args.changed:.1%} of elements changed per step, "
-          f"{args.steps} steps (medians)")
+    print(
+        f"model: {numel / 1e6:.1f}M bf16 parameters, {args.changed:.1%} of elements changed per step, "
+        f"{args.steps} steps (medians)"
+    )
     print(f"{'what':<44} {'seconds':>10} {'ratio':>8}  goal")
     print(f"{'trainer: one clone() of the weights':<44} {median['clone']:>10.4f}")
-    print(f"{'trainer: delta-sync detect+extract+encode+write':<44} {median['delta_sync']:>10.4f} "
-          f"{result['ratios']['delta_sync / clone']:>7.2f}x  <= 3x clone")
-    print(f"{'trainer: TRL-v1-style pipeline':<44} {median['trl_v1']:>10.4f} "
-          f"{result['ratios']['trl_v1 / delta_sync']:>7.2f}x  >= 3x slower than delta-sync")
+    print(
+        f"{'trainer: delta-sync detect+extract+encode+write':<44} {median['delta_sync']:>10.4f} "
+        f"{result['ratios']['delta_sync / clone']:>7.2f}x  <= 3x clone"
+    )
+    print(
+        f"{'trainer: TRL-v1-style pipeline':<44} {median['trl_v1']:>10.4f} "
+        f"{result['ratios']['trl_v1 / delta_sync']:>7.2f}x  >= 3x slower than delta-sync"
+    )
     print(f"{'replica: full anchor load':<44} {median['anchor_load']:>10.4f}")
-    print(f"{'replica: delta verify + apply to snapshot':<44} {median['verify_apply']:>10.4f} "
-          f"{result['ratios']['verify_apply / anchor_load']:>7.2f}x  O(changed), while generating")
-    print(f"{'replica: load changed tensors (the pause)':<44} {median['load']:>10.4f} "
-          f"{result['ratios']['load / anchor_load']:>7.2f}x  well under a full reload")
-    print(f"delta file: {result['delta_bytes_per_step']:,.0f} bytes per step "
-          f"({result['bytes_per_changed_element']:.2f} bytes per changed element; full bf16 {2 * numel:,} bytes)")
-    print(f"memory: trainer snapshot {result['snapshot_bytes_trainer'] / (2 * numel):.2f}x bf16 model, "
-          f"replica snapshot {result['snapshot_bytes_replica'] / (2 * numel):.2f}x")
+    print(
+        f"{'replica: delta verify + apply to snapshot':<44} {median['verify_apply']:>10.4f} "
+        f"{result['ratios']['verify_apply / anchor_load']:>7.2f}x  O(changed), while generating"
+    )
+    print(
+        f"{'replica: load changed tensors (the pause)':<44} {median['load']:>10.4f} "
+        f"{result['ratios']['load / anchor_load']:>7.2f}x  well under a full reload"
+    )
+    print(
+        f"delta file: {result['delta_bytes_per_step']:,.0f} bytes per step "
+        f"({result['bytes_per_changed_element']:.2f} bytes per changed element; full bf16 {2 * numel:,} bytes)"
+    )
+    print(
+        f"memory: trainer snapshot {result['snapshot_bytes_trainer'] / (2 * numel):.2f}x bf16 model, "
+        f"replica snapshot {result['snapshot_bytes_replica'] / (2 * numel):.2f}x"
+    )
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=2))

@@ -244,7 +244,10 @@ class DeltaSyncCallback(TrainerCallback):
         for state in behind:
             logger.warning(
                 "delta-sync: replica %s is not at version %d (serves %s): %s",
-                state.url, version, state.version, state.error or "timed out",
+                state.url,
+                version,
+                state.version,
+                state.error or "timed out",
             )
         self._sync_metrics = {
             "delta/replica_wait_seconds": time.perf_counter() - started,

@@ -29,7 +29,7 @@ def _inspect(args: argparse.Namespace) -> int:
     if "://" in args.file and not args.file.startswith("file://"):
         with tempfile.TemporaryDirectory(prefix="delta-sync-inspect-") as tmp:
             return _describe(args, read_file(_fetch(args.file, Path(tmp)), source=args.file))
-    return _describe(args, read_file(args.file[len("file://"):] if args.file.startswith("file://") else args.file))
+    return _describe(args, read_file(args.file[len("file://") :] if args.file.startswith("file://") else args.file))
 
 
 def _fetch(url: str, directory: Path) -> Path:
@@ -50,7 +50,8 @@ def _describe(args: argparse.Namespace, file: Anchor | Delta) -> int:
     header = file.header
     if isinstance(file, Delta):
         per_tensor = {
-            name: {"changed": len(change), "numel": _numel(header.shapes[name])} for name, change in file.changes.items()
+            name: {"changed": len(change), "numel": _numel(header.shapes[name])}
+            for name, change in file.changes.items()
         }
     else:
         assert isinstance(file, Anchor)
@@ -75,15 +76,15 @@ def _describe(args: argparse.Namespace, file: Anchor | Delta) -> int:
         print(json.dumps(summary, indent=2))
         return 0
     base = f" on top of v{header.base_version}" if header.base_version is not None else ""
-    print(f"{args.file}: {header.kind} v{header.version}{base}, anchor v{header.anchor_version}, encoding {header.encoding}")
+    print(
+        f"{args.file}: {header.kind} v{header.version}{base}, anchor v{header.anchor_version}, encoding {header.encoding}"
+    )
     print(f"run {header.run_id}, model checksum {header.model_checksum}")
     width = max((len(name) for name in per_tensor), default=4)
     print(f"{'tensor':<{width}}  {'changed':>12}  {'elements':>12}  {'sparsity':>9}")
     for name, entry in sorted(per_tensor.items()):
         print(f"{name:<{width}}  {entry['changed']:>12,}  {entry['numel']:>12,}  {entry['sparsity']:>9.4%}")
-    print(
-        f"{'total':<{width}}  {header.changed_elements:>12,}  {header.total_elements:>12,}  {header.sparsity:>9.4%}"
-    )
+    print(f"{'total':<{width}}  {header.changed_elements:>12,}  {header.total_elements:>12,}  {header.sparsity:>9.4%}")
     return 0
 
 
@@ -95,7 +96,9 @@ def _verify(args: argparse.Namespace) -> int:
         for step in report.steps:
             print(f"{'ok  ' if step.ok else 'FAIL'}  {step.path}: {step.message}")
         verdict = "passed" if report.ok else "FAILED"
-        print(f"{report.bucket}: verification {verdict} (latest v{report.latest_version}, replayed v{report.replayed_version})")
+        print(
+            f"{report.bucket}: verification {verdict} (latest v{report.latest_version}, replayed v{report.replayed_version})"
+        )
     return 0 if report.ok else 1
 
 

@@ -376,7 +376,9 @@ def _check_anchor_layout(handle, keys: set[str], header: FileHeader) -> None:
     if keys != set(header.shapes):
         missing = sorted(set(header.shapes) - keys)
         extra = sorted(keys - set(header.shapes))
-        raise FormatError(f"{header.source}: tensors do not match metadata 'shapes' (missing {missing}, unexpected {extra})")
+        raise FormatError(
+            f"{header.source}: tensors do not match metadata 'shapes' (missing {missing}, unexpected {extra})"
+        )
     for name in keys:
         view = handle.get_slice(name)
         if view.get_dtype() != "BF16":
@@ -410,11 +412,11 @@ def _read_raw_changes(handle, keys: set[str], header: FileHeader) -> dict[str, S
                 f"got {indices.dim()}-D {indices.dtype}"
             )
         if values.dtype != torch.bfloat16 or values.dim() != 1:
-            raise FormatError(f"{source}: {name}{VALUES_SUFFIX} must be 1-D bfloat16, got {values.dim()}-D {values.dtype}")
-        if values.numel() != indices.numel():
             raise FormatError(
-                f"{source}: {name} has {indices.numel()} indices but {values.numel()} values"
+                f"{source}: {name}{VALUES_SUFFIX} must be 1-D bfloat16, got {values.dim()}-D {values.dtype}"
             )
+        if values.numel() != indices.numel():
+            raise FormatError(f"{source}: {name} has {indices.numel()} indices but {values.numel()} values")
         if indices.numel():
             if int(indices[0]) < 0 or int(indices[-1]) >= numel:
                 raise FormatError(

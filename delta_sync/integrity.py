@@ -110,9 +110,7 @@ def tensor_checksum(tensor: torch.Tensor) -> int:
     return _hash_sum(_bits(tensor))
 
 
-def updated_checksum(
-    checksum: int, indices: torch.Tensor, old_values: torch.Tensor, new_values: torch.Tensor
-) -> int:
+def updated_checksum(checksum: int, indices: torch.Tensor, old_values: torch.Tensor, new_values: torch.Tensor) -> int:
     """Checksum of a tensor after the elements at `indices` change from `old_values` to `new_values`.
 
     Costs O(len(indices)), independent of the tensor's size.

@@ -226,7 +226,9 @@ class Receiver:
                 try:
                     results += self._apply_chain(bucket, [v for v in deltas if v > self.version])
                 except (BaseVersionError, IntegrityError, FormatError) as exc:
-                    logger.info("delta-sync: deltas do not lead from v%s to v%d (%s)", self.version, latest.version, exc)
+                    logger.info(
+                        "delta-sync: deltas do not lead from v%s to v%d (%s)", self.version, latest.version, exc
+                    )
             if self.version != latest.version or self.run_id != latest.run_id:
                 anchors = [v for v in step_versions(bucket.list("anchors"), "anchor") if v <= latest.version]
                 if not anchors:
@@ -278,7 +280,11 @@ class Receiver:
 
     def _timed(self, result: ApplyResult, started: float) -> ApplyResult:
         return ApplyResult(
-            result.version, result.applied, result.changed_elements, result.loaded_tensors, time.perf_counter() - started
+            result.version,
+            result.applied,
+            result.changed_elements,
+            result.loaded_tensors,
+            time.perf_counter() - started,
         )
 
     def _is_stale(self, version: int, run_id: str) -> bool:
@@ -294,7 +300,9 @@ class Receiver:
                 f"{source}: holds no weights yet; load an anchor before a delta", held=None, base=header.base_version
             )
         if header.run_id != self.run_id:
-            raise ApplyError(f"{source}: belongs to run {header.run_id}, but the held weights are from run {self.run_id}")
+            raise ApplyError(
+                f"{source}: belongs to run {header.run_id}, but the held weights are from run {self.run_id}"
+            )
         if self._needs_anchor:
             raise BaseVersionError(
                 f"{source}: the held weights failed an integrity check; load an anchor first",
@@ -424,4 +432,3 @@ def _normalise_url(url: str) -> str:
 def expected_shapes_of(module: nn.Module) -> dict[str, tuple[int, ...]]:
     """Parameter name -> shape of a module, the `expected_shapes` of a [`Receiver`] feeding it."""
     return {name: tuple(p.shape) for name, p in module.named_parameters()}
-

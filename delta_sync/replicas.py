@@ -95,7 +95,9 @@ class Replica:
                     response = self._http.post(route, json=json, params=params)
                     response.raise_for_status()
         except httpx.HTTPStatusError as exc:
-            raise ReplicaError(f"{self.url}{route}: HTTP {exc.response.status_code}: {_error_message(exc.response)}") from exc
+            raise ReplicaError(
+                f"{self.url}{route}: HTTP {exc.response.status_code}: {_error_message(exc.response)}"
+            ) from exc
         except httpx.TransportError as exc:
             raise ReplicaError(f"{self.url}{route}: unreachable after {self.retry_seconds:.0f} s: {exc}") from exc
         return response.json() if response.content else {}
@@ -262,7 +264,9 @@ class ReplicaSet:
             try:
                 status = replica.update(self.bucket, filename)
                 if status.get("version") is None or status["version"] < target:
-                    raise ReplicaError(f"{replica.url}: serves version {status.get('version')} after updating to {target}")
+                    raise ReplicaError(
+                        f"{replica.url}: serves version {status.get('version')} after updating to {target}"
+                    )
                 expected = self._published.get(status["version"], (None, None))[1]
                 if expected is not None and status.get("model_checksum") != expected:
                     raise ReplicaError(

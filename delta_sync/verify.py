@@ -98,7 +98,9 @@ def verify_bucket(bucket: Bucket | str, *, progress: bool | None = None) -> Veri
                 LATEST,
                 ok,
                 f"names version {latest.version}"
-                + ("" if ok else f", but the replay reached {receiver.version} with checksum {receiver.model_checksum}"),
+                + (
+                    "" if ok else f", but the replay reached {receiver.version} with checksum {receiver.model_checksum}"
+                ),
             )
     return report
 

@@ -44,7 +44,11 @@ from delta_sync.integrity import model_checksum, tensor_checksum
 from delta_sync.layout import step_versions
 from delta_sync.tiny_model import build_tiny_model
 
-PROMPTS = [f"{subject} {verb} the" for subject in ("the cat", "a dog", "one fox", "my red") for verb in ("sat on", "saw", "ran to", "is")]
+PROMPTS = [
+    f"{subject} {verb} the"
+    for subject in ("the cat", "a dog", "one fox", "my red")
+    for verb in ("sat on", "saw", "ran to", "is")
+]
 
 
 def reward_cats(completions: list[str], **kwargs) -> list[float]:
@@ -60,7 +64,9 @@ class ReplicaCheck(TrainerCallback):
         self.sync = sync
         self.bucket = bucket
         self.replica = replica
-        self.receiver = Receiver(load_weights=module_weight_loader(replica), expected_shapes=expected_shapes_of(replica))
+        self.receiver = Receiver(
+            load_weights=module_weight_loader(replica), expected_shapes=expected_shapes_of(replica)
+        )
         self.checked: list[tuple[int, bool]] = []
         self.server_checked: list[tuple[int, bool]] = []
 
@@ -86,7 +92,9 @@ class ReplicaCheck(TrainerCallback):
         # With max_staleness > 0 replicas may lag during training; DeltaSyncCallback has
         # waited for the last version by now.
         if self.sync.replicas is not None and self.sync.config.max_staleness > 0:
-            self._check_server(state.global_step, {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()})
+            self._check_server(
+                state.global_step, {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
+            )
 
     def _check_server(self, version: int, trainer_bits: dict[str, torch.Tensor]) -> None:
         expected = model_checksum({name: tensor_checksum(bits) for name, bits in trainer_bits.items()})
@@ -101,7 +109,8 @@ class ReplicaCheck(TrainerCallback):
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--bucket", default="./deltas",
+        "--bucket",
+        default="./deltas",
         help="local directory or bucket URL: file://, hf://buckets/..., s3://... (default: ./deltas)",
     )
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default: 20; 0 only builds the model)")
@@ -111,7 +120,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--base-model-dir", help="also save the generated base model and tokenizer here")
     parser.add_argument("--vllm-url", help="generate through this vLLM server (running vllm_ext) and sync it too")
     parser.add_argument(
-        "--max-staleness", type=int, default=0,
+        "--max-staleness",
+        type=int,
+        default=0,
         help="versions the server may lag when a generation starts (default 0: on-policy)",
     )
     parser.add_argument("--output-dir", default=None, help="trainer output directory (default: a temporary one)")
@@ -131,13 +142,20 @@ def main(argv: list[str] | None = None) -> int:
     # fp32 master weights, as most trainers keep them; the bucket carries their bf16 rounding.
     model, tokenizer = build_tiny_model(args.base_model_dir, seed=args.seed, dtype=torch.float32)
     if args.steps == 0:
-        print(f"saved the base model and tokenizer to {args.base_model_dir}" if args.base_model_dir else "nothing to do")
+        print(
+            f"saved the base model and tokenizer to {args.base_model_dir}" if args.base_model_dir else "nothing to do"
+        )
         return 0
     replica, _ = build_tiny_model(seed=args.seed + 1)  # different weights until the first anchor lands
     replica = replica.to(torch.bfloat16)
 
-    sync = DeltaSyncCallback(bucket=args.bucket, anchor_every=args.anchor_every, keep_anchors=args.keep_anchors,
-                             overwrite=not args.keep_existing, max_staleness=args.max_staleness)
+    sync = DeltaSyncCallback(
+        bucket=args.bucket,
+        anchor_every=args.anchor_every,
+        keep_anchors=args.keep_anchors,
+        overwrite=not args.keep_existing,
+        max_staleness=args.max_staleness,
+    )
     check = ReplicaCheck(sync, args.bucket, replica)
     output_dir = args.output_dir or tempfile.mkdtemp(prefix="grpo-delta-sync-")
     config = GRPOConfig(
@@ -190,8 +208,13 @@ def main(argv: list[str] | None = None) -> int:
         ("replica checks", f"{len(check.checked)}"),
         ("replica bit-exact", "yes" if all(ok for _, ok in check.checked) and check.checked else "no"),
         *(
-            [("vLLM server checks", f"{len(check.server_checked)}"),
-             ("vLLM server bit-exact", "yes" if check.server_checked and all(ok for _, ok in check.server_checked) else "no")]
+            [
+                ("vLLM server checks", f"{len(check.server_checked)}"),
+                (
+                    "vLLM server bit-exact",
+                    "yes" if check.server_checked and all(ok for _, ok in check.server_checked) else "no",
+                ),
+            ]
             if args.vllm_url
             else []
         ),

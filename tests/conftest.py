@@ -103,20 +103,14 @@ def replica_receiver(**kwargs):
     from delta_sync import Receiver, expected_shapes_of, module_weight_loader
 
     replica = TwoTower()
-    receiver = Receiver(load_weights=module_weight_loader(replica), expected_shapes=expected_shapes_of(replica), **kwargs)
+    receiver = Receiver(
+        load_weights=module_weight_loader(replica), expected_shapes=expected_shapes_of(replica), **kwargs
+    )
     return receiver, replica
 
 
 # Bucket backends (local, Hugging Face, S3) and their test servers.
-from bucket_fixtures import (  # noqa: E402,F401
-    _xet_session_env,
-    bucket_target,
-    hf_target,
-    hub_server,
-    s3_server,
-    s3_target,
-)
-
+pytest_plugins = ["bucket_fixtures"]
 
 # -- a real vLLM server, shared by every test that needs one --------------------------------
 
@@ -144,6 +138,7 @@ VLLM_HF_BUCKET = "user/vllm-e2e"
 @pytest.fixture(scope="session")
 def vllm_server(served_model, bucket_root, hub_server, tmp_path_factory):
     from bucket_fixtures import HF_TOKEN, XET_RETRY_ENV
+
     from vllm_server import VLLMServer
 
     logs = tmp_path_factory.mktemp("vllm")
@@ -153,8 +148,13 @@ def vllm_server(served_model, bucket_root, hub_server, tmp_path_factory):
         log_path=logs / "server.log",
         cache_dir=logs / "cache",
         # The replica reaches the Hugging Face bucket through the Hub test double, like a user's would.
-        extra_env={"HF_ENDPOINT": hub_server.endpoint, "HF_TOKEN": HF_TOKEN, "HF_XET_CACHE": str(logs / "xet"),
-                   "DELTA_SYNC_RETRY_SECONDS": "10", **XET_RETRY_ENV},
+        extra_env={
+            "HF_ENDPOINT": hub_server.endpoint,
+            "HF_TOKEN": HF_TOKEN,
+            "HF_XET_CACHE": str(logs / "xet"),
+            "DELTA_SYNC_RETRY_SECONDS": "10",
+            **XET_RETRY_ENV,
+        },
     )
     server.start()
     yield server

@@ -53,7 +53,7 @@ _FLAG_WITH_METADATA_EXT = 0x40000000
 
 def _merkle_hex(raw: bytes) -> str:
     # A Xet MerkleHash is 4 little-endian u64 words, printed as 4 x 16 hex digits.
-    return "".join(f"{int.from_bytes(raw[i * 8:(i + 1) * 8], 'little'):016x}" for i in range(4))
+    return "".join(f"{int.from_bytes(raw[i * 8 : (i + 1) * 8], 'little'):016x}" for i in range(4))
 
 
 def shard_file_sizes(path: str) -> dict[str, int]:
@@ -63,7 +63,7 @@ def shard_file_sizes(path: str) -> dict[str, int]:
     sizes: dict[str, int] = {}
     offset = 48  # header: 32-byte tag, u64 version, u64 footer size
     while offset + 48 <= len(data):
-        file_hash = data[offset:offset + 32]
+        file_hash = data[offset : offset + 32]
         if file_hash == _BOOKEND:
             break
         flags, entries, _ = struct.unpack_from("<IIQ", data, offset + 32)
@@ -465,7 +465,7 @@ class _Handler(BaseHTTPRequestHandler):
             if recursive or len(parts) <= depth + 1:
                 entries.append(_file_entry(path, files[path]))
             else:
-                folder = "/".join(parts[:depth + 1])
+                folder = "/".join(parts[: depth + 1])
                 folders[folder] = max(folders.get(folder, 0), files[path]["uploadedAt"])
         entries += [{"type": "directory", "path": p, "uploadedAt": _iso(t)} for p, t in folders.items()]
         entries.sort(key=lambda e: e["path"])
@@ -476,7 +476,7 @@ class _Handler(BaseHTTPRequestHandler):
             next_query = {k: v[0] for k, v in query.items()} | {"cursor": str(cursor + limit)}
             next_url = f"{self.server_hub.endpoint}{urlsplit(self.path).path}?{urlencode(next_query)}"
             headers["Link"] = f'<{next_url}>; rel="next"'
-        self._send(200, entries[cursor:cursor + limit], headers)
+        self._send(200, entries[cursor : cursor + limit], headers)
 
     def _paths_info(self, bucket_id: str, body: bytes) -> None:
         paths = json.loads(body or b"{}").get("paths", [])

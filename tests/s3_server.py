@@ -36,7 +36,16 @@ SECRET_KEY = "test-secret-key-0123456789"
 REGION = "us-east-1"
 
 _PORT_NAMES = [
-    "master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc", "admin", "admin_grpc",
+    "master",
+    "master_grpc",
+    "volume",
+    "volume_grpc",
+    "filer",
+    "filer_grpc",
+    "s3",
+    "s3_grpc",
+    "admin",
+    "admin_grpc",
 ]
 
 
@@ -139,19 +148,28 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 def _command(weed: str, data: Path, config: Path, ports: dict[str, int], sockets: Path | None) -> list[str]:
     command = [
-        weed, "mini",
+        weed,
+        "mini",
         f"-dir={data}",
-        "-ip=127.0.0.1", "-ip.bind=127.0.0.1",  # the default bind address is 0.0.0.0
-        f"-master.port={ports['master']}", f"-master.port.grpc={ports['master_grpc']}",
-        f"-volume.port={ports['volume']}", f"-volume.port.grpc={ports['volume_grpc']}",
-        f"-filer.port={ports['filer']}", f"-filer.port.grpc={ports['filer_grpc']}",
-        f"-s3.port={ports['s3']}", f"-s3.port.grpc={ports['s3_grpc']}",
-        "-s3.port.iceberg=0", "-s3.port.lance=0",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",  # the default bind address is 0.0.0.0
+        f"-master.port={ports['master']}",
+        f"-master.port.grpc={ports['master_grpc']}",
+        f"-volume.port={ports['volume']}",
+        f"-volume.port.grpc={ports['volume_grpc']}",
+        f"-filer.port={ports['filer']}",
+        f"-filer.port.grpc={ports['filer_grpc']}",
+        f"-s3.port={ports['s3']}",
+        f"-s3.port.grpc={ports['s3_grpc']}",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
         f"-s3.config={config}",
         "-master.telemetry=false",
         "-webdav=false",
         # `mini` always starts its admin server; -admin.port=0 hangs it, so it gets free ports too.
-        "-admin.ui=false", f"-admin.port={ports['admin']}", f"-admin.port.grpc={ports['admin_grpc']}",
+        "-admin.ui=false",
+        f"-admin.port={ports['admin']}",
+        f"-admin.port.grpc={ports['admin_grpc']}",
     ]
     if sockets is not None:
         command += [f"-filer.localSocket={sockets}/f.sock", f"-s3.localSocket={sockets}/s.sock"]
@@ -178,7 +196,10 @@ def _wait_ready(process: subprocess.Popen, ports: dict[str, int], log: Path, dea
 
     s3_url = f"http://127.0.0.1:{ports['s3']}"
     client = boto3.client(
-        "s3", endpoint_url=s3_url, aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
+        "s3",
+        endpoint_url=s3_url,
+        aws_access_key_id=ACCESS_KEY,
+        aws_secret_access_key=SECRET_KEY,
         region_name=REGION,
         config=Config(retries={"max_attempts": 1}, connect_timeout=1, read_timeout=2, s3={"addressing_style": "path"}),
     )
@@ -194,8 +215,12 @@ def _wait_ready(process: subprocess.Popen, ports: dict[str, int], log: Path, dea
                 raise ConnectionError(f"s3 /healthz answered {code}")
             code, body = _http_get(f"http://127.0.0.1:{ports['master']}/dir/status")
             topology = json.loads(body)["Topology"]
-            nodes = [node for dc in topology.get("DataCenters") or [] for rack in dc.get("Racks") or []
-                     for node in rack.get("DataNodes") or []]
+            nodes = [
+                node
+                for dc in topology.get("DataCenters") or []
+                for rack in dc.get("Racks") or []
+                for node in rack.get("DataNodes") or []
+            ]
             if not nodes:
                 raise ConnectionError("no volume server registered yet")
             client.list_buckets()
@@ -233,11 +258,19 @@ def seaweedfs_s3(startup_timeout: float = 90.0, attempts: int = 3) -> Iterator[S
     data = root / "data"
     data.mkdir()
     config = root / "s3.json"
-    config.write_text(json.dumps({"identities": [{
-        "name": "tester",
-        "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
-        "actions": ["Admin", "Read", "List", "Tagging", "Write"],
-    }]}))
+    config.write_text(
+        json.dumps(
+            {
+                "identities": [
+                    {
+                        "name": "tester",
+                        "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+                        "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+                    }
+                ]
+            }
+        )
+    )
     sockets = root if len(str(root)) < 90 else None  # unix socket paths are limited to 107 bytes
     process, ports = None, {}
     try:
@@ -247,7 +280,11 @@ def seaweedfs_s3(startup_timeout: float = 90.0, attempts: int = 3) -> Iterator[S
             with open(log, "wb") as out:
                 process = subprocess.Popen(
                     _command(weed, data, config, ports, sockets),
-                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=root, env=_server_env(),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    cwd=root,
+                    env=_server_env(),
                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
                     start_new_session=True,
                 )

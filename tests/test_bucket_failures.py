@@ -17,7 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import PublishedRun, bits, replica_receiver
 
 from delta_sync import (
     BucketConflictError,
@@ -30,6 +29,8 @@ from delta_sync import (
 )
 from delta_sync.layout import LATEST, anchor_path, delta_path
 from delta_sync.verify import verify_bucket
+
+from conftest import PublishedRun, bits, replica_receiver
 
 #: Generous upper bound for an operation that exhausts the tests' 4-second retry budget.
 GIVE_UP_SECONDS = 30

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PublishedRun, TwoTower, bf16_state, bits, replica_receiver, train_step
 
 from delta_sync import (
     BF16ChangeDetector,
@@ -30,11 +29,16 @@ from delta_sync.layout import LATEST, anchor_path, delta_path, step_versions
 from delta_sync.storage.cache import DownloadCache
 from delta_sync.verify import verify_bucket
 
+from conftest import PublishedRun, TwoTower, bf16_state, bits, replica_receiver, train_step
+
 
 def cli(target, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "delta_sync.cli", *args],
-        capture_output=True, text=True, timeout=300, env=target.subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=target.subprocess_env(),
     )
 
 
@@ -82,7 +86,7 @@ def test_overwrite_false_refuses_other_content_but_accepts_its_own(bucket_target
 def test_two_publishers_on_one_prefix_cannot_overwrite_each_other(bucket_target):
     torch.manual_seed(0)
     publishers = []
-    for seed in (1, 2):
+    for _ in (1, 2):
         model = TwoTower()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         detector = BF16ChangeDetector(model, optimizer)
@@ -171,8 +175,10 @@ def test_publish_and_replay_bit_exactly(bucket_target):
     # A replica joining late starts from the newest anchor.
     late, _ = replica_receiver()
     applied = late.update(bucket_target.url).applied
-    assert applied[0].endswith(anchor_path(4)) and applied[1:] == (f"{bucket_target.url}/{delta_path(5)}",
-                                                                    f"{bucket_target.url}/{delta_path(6)}")
+    assert applied[0].endswith(anchor_path(4)) and applied[1:] == (
+        f"{bucket_target.url}/{delta_path(5)}",
+        f"{bucket_target.url}/{delta_path(6)}",
+    )
     assert_state(run.states[6], late.weights)
     run.close()
     # Retention kept two anchors and the deltas after the oldest.
@@ -212,9 +218,9 @@ def test_catch_up_starts_over_when_a_file_disappears_under_it(bucket_target):
 
 @pytest.mark.slow
 def test_grpo_trainer_publishes_and_a_replica_follows_bit_exactly(bucket_target, tmp_path):
-    from trainers import FollowingReplica, grpo_trainer, same_bits, trainer_bits
-
     from delta_sync import DeltaSyncCallback, Receiver
+
+    from trainers import FollowingReplica, grpo_trainer, same_bits, trainer_bits
 
     sync = DeltaSyncCallback(bucket=bucket_target.url, anchor_every=3)
     replica = FollowingReplica(sync, bucket_target.url)
@@ -259,7 +265,7 @@ class RequestCounter:
         if self.target.kind == "hf":
             names = [f"{r.method} {route(r.path)}" for r in self.target.hub.requests_since(self._hf_mark)]
         else:
-            names = self.s3_requests[self._s3_mark:]
+            names = self.s3_requests[self._s3_mark :]
         self.mark()
         return names
 
@@ -287,8 +293,10 @@ def test_requests_and_bytes_per_step(bucket_target, capsys):
     report = run.publisher.reports[1]
     run.close()
     with capsys.disabled():
-        print(f"\n{bucket_target.kind}: delta file {report.delta_bytes:,} B, all files {report.bytes_written:,} B "
-              f"per delta step (model {sum(t.numel() * 2 for t in run.states[1].values()):,} B)")
+        print(
+            f"\n{bucket_target.kind}: delta file {report.delta_bytes:,} B, all files {report.bytes_written:,} B "
+            f"per delta step (model {sum(t.numel() * 2 for t in run.states[1].values()):,} B)"
+        )
         for label, names in rows.items():
             print(f"  {label}: {len(names)} requests: {', '.join(names)}")
     if bucket_target.kind == "s3":
@@ -306,9 +314,21 @@ def test_the_example_takes_a_bucket_url(bucket_target):
     repo = Path(__file__).resolve().parents[1]
     env = {**bucket_target.subprocess_env(), "PYTHONPATH": str(repo)}
     result = subprocess.run(
-        [sys.executable, "examples/grpo_delta_sync.py", "--bucket", bucket_target.url,
-         "--steps", "3", "--anchor-every", "2"],
-        cwd=repo, env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "examples/grpo_delta_sync.py",
+            "--bucket",
+            bucket_target.url,
+            "--steps",
+            "3",
+            "--anchor-every",
+            "2",
+        ],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert re.search(r"replica bit-exact\s+yes", result.stdout)

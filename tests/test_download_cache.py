@@ -5,10 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from conftest import PublishedRun
 from delta_sync import Receiver, anchor_path
 from delta_sync.layout import parse_step_path
 from delta_sync.storage.cache import DownloadCache
+
+from conftest import PublishedRun
 
 FETCH = """
 import sys
@@ -25,8 +26,12 @@ def test_processes_on_one_machine_download_a_file_once(hf_target, tmp_path):
     mark = len(hf_target.hub.requests)
     # Like the workers of one vLLM server: separate processes, one cache directory, at once.
     workers = [
-        subprocess.Popen([sys.executable, "-c", FETCH, str(cache), hf_target.url, anchor_path(1)],
-                         env=hf_target.subprocess_env(), stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", FETCH, str(cache), hf_target.url, anchor_path(1)],
+            env=hf_target.subprocess_env(),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         for _ in range(3)
     ]
     paths = {worker.communicate(timeout=300)[0].strip() for worker in workers}
@@ -46,8 +51,10 @@ def test_replica_prunes_downloads_it_can_no_longer_use(hf_target, tmp_path):
         version = run.step()
         assert receiver.update(hf_target.url, f"deltas/step_{version:08d}.safetensors").version == version
     run.close()
-    cached = [f.relative_to(tmp_path / "cache").as_posix().split("/", 1)[1]
-              for f in (tmp_path / "cache").rglob("*.safetensors")]
+    cached = [
+        f.relative_to(tmp_path / "cache").as_posix().split("/", 1)[1]
+        for f in (tmp_path / "cache").rglob("*.safetensors")
+    ]
     steps = sorted(parse_step_path(path) for path in cached)
     # The replica holds version 8, descended from anchor 7 (which it never needed to download):
     # anchor 1 and deltas 2-6 are gone, only the last two deltas remain.

@@ -20,10 +20,19 @@ def anchor_header(tensors: dict[str, torch.Tensor], version: int = 1) -> FileHea
     checksums = {name: tensor_checksum(t) for name, t in tensors.items()}
     total = sum(t.numel() for t in tensors.values())
     return FileHeader(
-        source="test", kind="anchor", version=version, base_version=None, anchor_version=version,
-        encoding="dense", run_id="run", shapes={n: tuple(t.shape) for n, t in tensors.items()},
-        checksums=checksums, base_checksums={}, model_checksum=model_checksum(checksums),
-        changed_elements=total, total_elements=total,
+        source="test",
+        kind="anchor",
+        version=version,
+        base_version=None,
+        anchor_version=version,
+        encoding="dense",
+        run_id="run",
+        shapes={n: tuple(t.shape) for n, t in tensors.items()},
+        checksums=checksums,
+        base_checksums={},
+        model_checksum=model_checksum(checksums),
+        changed_elements=total,
+        total_elements=total,
     )
 
 
@@ -34,9 +43,16 @@ def delta_header(base: dict[str, torch.Tensor], changes: dict[str, SparseChange]
         for name, c in changes.items()
     }
     return FileHeader(
-        source="test", kind="delta", version=version, base_version=version - 1, anchor_version=1,
-        encoding="raw", run_id="run", shapes={n: tuple(base[n].shape) for n in changes},
-        checksums=new, base_checksums={n: checksums[n] for n in changes},
+        source="test",
+        kind="delta",
+        version=version,
+        base_version=version - 1,
+        anchor_version=1,
+        encoding="raw",
+        run_id="run",
+        shapes={n: tuple(base[n].shape) for n in changes},
+        checksums=new,
+        base_checksums={n: checksums[n] for n in changes},
         model_checksum=model_checksum({**checksums, **new}),
         changed_elements=sum(len(c) for c in changes.values()),
         total_elements=sum(t.numel() for t in base.values()),
@@ -65,8 +81,11 @@ def test_anchor_round_trip(tmp_path, weights):
 
 
 def test_delta_round_trip(tmp_path, weights):
-    changes = {"model.embed_tokens.weight": SparseChange(torch.tensor([3, 17, 100], dtype=torch.int32),
-                                                         torch.tensor([1.0, -2.0, 0.5], dtype=torch.bfloat16))}
+    changes = {
+        "model.embed_tokens.weight": SparseChange(
+            torch.tensor([3, 17, 100], dtype=torch.int32), torch.tensor([1.0, -2.0, 0.5], dtype=torch.bfloat16)
+        )
+    }
     path = tmp_path / "delta.safetensors"
     written = write_delta(path, changes, delta_header(weights, changes))
     delta = read_file(path)
@@ -98,11 +117,23 @@ def test_index_dtype_switches_to_int64_at_2_pow_31():
 def test_int64_indices_for_a_huge_tensor(tmp_path):
     # The shape is recorded, not allocated: a delta only stores the changed elements.
     huge = (2**16, 2**15 + 1)  # 2^31 + 2^16 elements
-    changes = {"huge.weight": SparseChange(torch.tensor([5, 2**31 + 7]), torch.tensor([1.0, 2.0], dtype=torch.bfloat16))}
+    changes = {
+        "huge.weight": SparseChange(torch.tensor([5, 2**31 + 7]), torch.tensor([1.0, 2.0], dtype=torch.bfloat16))
+    }
     header = FileHeader(
-        source="test", kind="delta", version=2, base_version=1, anchor_version=1, encoding="raw", run_id="run",
-        shapes={"huge.weight": huge}, checksums={"huge.weight": 1}, base_checksums={"huge.weight": 0},
-        model_checksum="0" * 16, changed_elements=2, total_elements=2**31 + 2**16,
+        source="test",
+        kind="delta",
+        version=2,
+        base_version=1,
+        anchor_version=1,
+        encoding="raw",
+        run_id="run",
+        shapes={"huge.weight": huge},
+        checksums={"huge.weight": 1},
+        base_checksums={"huge.weight": 0},
+        model_checksum="0" * 16,
+        changed_elements=2,
+        total_elements=2**31 + 2**16,
     )
     path = tmp_path / "huge.safetensors"
     write_delta(path, changes, header)
@@ -147,8 +178,11 @@ def rewrite(path, *, tensors=None, metadata=None, drop=None) -> None:
 
 @pytest.fixture
 def delta_file(tmp_path, weights):
-    changes = {"model.embed_tokens.weight": SparseChange(torch.tensor([3, 17, 100], dtype=torch.int32),
-                                                         torch.tensor([1.0, -2.0, 0.5], dtype=torch.bfloat16))}
+    changes = {
+        "model.embed_tokens.weight": SparseChange(
+            torch.tensor([3, 17, 100], dtype=torch.int32), torch.tensor([1.0, -2.0, 0.5], dtype=torch.bfloat16)
+        )
+    }
     path = tmp_path / "delta.safetensors"
     write_delta(path, changes, delta_header(weights, changes))
     return path
@@ -157,12 +191,24 @@ def delta_file(tmp_path, weights):
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (dict(tensors={"model.embed_tokens.weight.indices": torch.tensor([17, 3, 100], dtype=torch.int32)}), "ascending"),
+        (
+            dict(tensors={"model.embed_tokens.weight.indices": torch.tensor([17, 3, 100], dtype=torch.int32)}),
+            "ascending",
+        ),
         (dict(tensors={"model.embed_tokens.weight.indices": torch.tensor([3, 17, 128], dtype=torch.int32)}), "outside"),
-        (dict(tensors={"model.embed_tokens.weight.indices": torch.tensor([-1, 17, 100], dtype=torch.int32)}), "outside"),
+        (
+            dict(tensors={"model.embed_tokens.weight.indices": torch.tensor([-1, 17, 100], dtype=torch.int32)}),
+            "outside",
+        ),
         (dict(tensors={"model.embed_tokens.weight.values": torch.tensor([1.0, -2.0, 0.5])}), "bfloat16"),
-        (dict(tensors={"model.embed_tokens.weight.values": torch.tensor([1.0, -2.0], dtype=torch.bfloat16)}), "3 indices but 2 values"),
-        (dict(tensors={"model.embed_tokens.weight.values": torch.tensor([1.0, -2.0, 0.25], dtype=torch.bfloat16)}), "payload digest"),
+        (
+            dict(tensors={"model.embed_tokens.weight.values": torch.tensor([1.0, -2.0], dtype=torch.bfloat16)}),
+            "3 indices but 2 values",
+        ),
+        (
+            dict(tensors={"model.embed_tokens.weight.values": torch.tensor([1.0, -2.0, 0.25], dtype=torch.bfloat16)}),
+            "payload digest",
+        ),
         (dict(tensors={"model.other.weight.values": torch.zeros(1, dtype=torch.bfloat16)}), "unexpected"),
         (dict(drop=["model.embed_tokens.weight.values"]), "missing"),
         (dict(metadata={"format_version": "99"}), "format_version"),

@@ -43,7 +43,9 @@ def test_late_replica_catches_up_and_retention_keeps_what_replicas_need(tmp_path
     first_step, first_exact, first_applied = late.results[0]
     assert first_step == 15 and first_exact
     assert [p.rsplit("/", 1)[-1] for p in first_applied] == [
-        "step_00000011.safetensors", *(f"step_{v:08d}.safetensors" for v in range(12, 16))]
+        "step_00000011.safetensors",
+        *(f"step_{v:08d}.safetensors" for v in range(12, 16)),
+    ]
     assert first_applied[0].endswith("anchors/step_00000011.safetensors")
     assert all(exact for _, exact, _ in late.results) and late.results[-1][0] == 20
 

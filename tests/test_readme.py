@@ -24,7 +24,10 @@ def fresh_checkout(dest: Path) -> Path:
     """The working tree as git would check it out (tracked and new, unignored files)."""
     files = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
-        cwd=REPO, capture_output=True, text=True, check=True,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.split("\0")
     for name in filter(None, files):
         source = REPO / name
@@ -43,7 +46,12 @@ def test_first_command_sets_up_and_runs_the_main_job(tmp_path):
     result = subprocess.run(["bash", "-c", first], cwd=checkout, env=env, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert re.search(r"replica bit-exact\s+yes", result.stdout), result.stdout[-3000:]
-    verify = subprocess.run([str(checkout / ".venv/bin/delta-sync"), "verify", "./deltas"], cwd=checkout,
-                            capture_output=True, text=True, timeout=600)
+    verify = subprocess.run(
+        [str(checkout / ".venv/bin/delta-sync"), "verify", "./deltas"],
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert "verification passed (latest v20, replayed v20)" in verify.stdout

@@ -31,7 +31,9 @@ def test_catch_up_then_follow_file_by_file(run):
     result = receiver.update(run.root)
     assert result.version == 5
     assert [p.rsplit("/", 2)[-2:] for p in result.applied] == [
-        ["anchors", "step_00000004.safetensors"], ["deltas", "step_00000005.safetensors"]]
+        ["anchors", "step_00000004.safetensors"],
+        ["deltas", "step_00000005.safetensors"],
+    ]
     assert_bit_exact(run.states[5], bf16_state(replica))
     for _ in range(3):
         version = run.step()
@@ -59,7 +61,10 @@ def test_catch_up_chains_deltas_from_the_held_version(run):
     receiver.update(run.root, delta_path(2))
     result = receiver.update(run.root)
     assert [p.rsplit("/", 1)[-1] for p in result.applied] == [
-        "step_00000003.safetensors", "step_00000004.safetensors", "step_00000005.safetensors"]
+        "step_00000003.safetensors",
+        "step_00000004.safetensors",
+        "step_00000005.safetensors",
+    ]
     assert_bit_exact(run.states[5], bf16_state(replica))
 
 
@@ -113,17 +118,32 @@ def flip_first_value(changes, header):
 
 
 EDITS = {
-    "unknown parameter": (lambda c, h: rename(c, h, "body.0.weight", "body.9.weight"), ApplyError, "unknown parameter 'body.9.weight'"),
+    "unknown parameter": (
+        lambda c, h: rename(c, h, "body.0.weight", "body.9.weight"),
+        ApplyError,
+        "unknown parameter 'body.9.weight'",
+    ),
     "wrong shape": (
         lambda c, h: (c, dataclasses.replace(h, shapes={**h.shapes, "body.0.weight": (32, 64)})),
-        ApplyError, r"'body.0.weight' has shape \[32, 64\], held shape is \[64, 32\]"),
+        ApplyError,
+        r"'body.0.weight' has shape \[32, 64\], held shape is \[64, 32\]",
+    ),
     "checksum mismatch": (flip_first_value, IntegrityError, "would not reproduce the trainer's weights"),
     "model checksum mismatch": (
-        lambda c, h: (c, dataclasses.replace(h, model_checksum="0" * 16)), IntegrityError, "model checksum"),
-    "other run": (lambda c, h: (c, dataclasses.replace(h, run_id="someone-else")), ApplyError, "belongs to run someone-else"),
+        lambda c, h: (c, dataclasses.replace(h, model_checksum="0" * 16)),
+        IntegrityError,
+        "model checksum",
+    ),
+    "other run": (
+        lambda c, h: (c, dataclasses.replace(h, run_id="someone-else")),
+        ApplyError,
+        "belongs to run someone-else",
+    ),
     "wrong base version": (
-        lambda c, h: (c, dataclasses.replace(h, base_version=2)), BaseVersionError,
-        "applies on top of version 2, but version 3 is held"),
+        lambda c, h: (c, dataclasses.replace(h, base_version=2)),
+        BaseVersionError,
+        "applies on top of version 2, but version 3 is held",
+    ),
 }
 
 
@@ -165,7 +185,9 @@ def test_malformed_delta_changes_nothing(run, at_v3, tensor_edit, message):
     with safe_open(str(src), "pt") as handle:
         metadata = handle.metadata()
     name = "body.0.weight"
-    tensors[f"{name}.indices"], tensors[f"{name}.values"] = tensor_edit(tensors[f"{name}.indices"], tensors[f"{name}.values"])
+    tensors[f"{name}.indices"], tensors[f"{name}.values"] = tensor_edit(
+        tensors[f"{name}.indices"], tensors[f"{name}.values"]
+    )
     save_file(tensors, str(run.root / "bad.safetensors"), metadata=metadata)
     held = {n: t.clone() for n, t in receiver.weights.items()}
     with pytest.raises(FormatError, match=message):
@@ -226,7 +248,9 @@ def test_corrupted_anchor_is_refused(run, tmp_path):
     assert_bit_exact(initial, bf16_state(replica))
 
 
-@pytest.mark.parametrize("filename", ["../bucket/deltas/step_00000004.safetensors", "/etc/passwd", "deltas/../../x", ""])
+@pytest.mark.parametrize(
+    "filename", ["../bucket/deltas/step_00000004.safetensors", "/etc/passwd", "deltas/../../x", ""]
+)
 def test_paths_escaping_the_bucket_are_refused(run, at_v3, filename):
     receiver, _ = at_v3
     with pytest.raises(BucketPathError):

@@ -25,7 +25,7 @@ def front_matter() -> dict[str, str]:
 def server_command(**env: str) -> list[str]:
     """The argument list start.sh execs, with its variables substituted."""
     script = (SPACE / "start.sh").read_text()
-    command = script[script.index("exec ") + len("exec "):].replace("\\\n", " ")
+    command = script[script.index("exec ") + len("exec ") :].replace("\\\n", " ")
     for name, value in env.items():
         command = command.replace(f'"${{{name}:-7860}}"', value).replace(f'"${name}"', value)
         command = command.replace(f"${{{name}:-}}", value)
@@ -36,7 +36,7 @@ def test_card_declares_a_docker_space_on_the_server_port():
     card = front_matter()
     assert card["sdk"] == "docker"
     assert card["app_port"] == "7860"
-    assert 'PORT:-7860' in (SPACE / "start.sh").read_text()
+    assert "PORT:-7860" in (SPACE / "start.sh").read_text()
     assert "EXPOSE 7860" in (SPACE / "Dockerfile").read_text()
 
 
@@ -72,12 +72,24 @@ def test_server_command_parses_with_vllms_argument_parser():
     result = subprocess.run([str(vllm_python()), "-c", script, *args[3:]], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     parsed = json.loads(result.stdout.strip().splitlines()[-1])
-    assert parsed == {"model": "Qwen/Qwen3-0.6B", "port": 7860, "host": "0.0.0.0",
-                      "extension": "vllm_ext.DeltaWorkerExtension", "backend": "delta", "max_model_len": 4096}
+    assert parsed == {
+        "model": "Qwen/Qwen3-0.6B",
+        "port": 7860,
+        "host": "0.0.0.0",
+        "extension": "vllm_ext.DeltaWorkerExtension",
+        "backend": "delta",
+        "max_model_len": 4096,
+    }
     # The extension class named there exists and registers the backend.
     check = subprocess.run(
-        [str(vllm_python()), "-c",
-         "import vllm_ext; from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as F; "
-         "print(F._registry['delta']().__name__, vllm_ext.DeltaWorkerExtension.__name__)"],
-        capture_output=True, text=True, timeout=300)
+        [
+            str(vllm_python()),
+            "-c",
+            "import vllm_ext; from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as F; "
+            "print(F._registry['delta']().__name__, vllm_ext.DeltaWorkerExtension.__name__)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert check.stdout.split()[-2:] == ["DeltaWeightTransferEngine", "DeltaWorkerExtension"], check.stderr[-2000:]

@@ -36,8 +36,9 @@ class TinyTrainer:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
         self.detector = BF16ChangeDetector(self.model, self.optimizer)
-        self.publisher = Publisher(bucket, self.detector, anchor_every=anchor_every, keep_anchors=keep_anchors,
-                                   background=False)
+        self.publisher = Publisher(
+            bucket, self.detector, anchor_every=anchor_every, keep_anchors=keep_anchors, background=False
+        )
         self.bucket = self.publisher.bucket.url
         self.version = 0
 
@@ -79,7 +80,7 @@ def greedy(model, prompt: list[int], steps: int = 8) -> list[int]:
     with torch.no_grad():
         for _ in range(steps):
             ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return ids[0, len(prompt):].tolist()
+    return ids[0, len(prompt) :].tolist()
 
 
 def prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
@@ -90,8 +91,10 @@ def prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
 
 def unpacked_checksums_match(server, trainer: TinyTrainer) -> list[str]:
     """Names whose server-side SHA-256 (vLLM's /weight_checker) equals the trainer's; asserts none differ."""
-    expected = {name: hashlib.sha256(t.float().contiguous().view(torch.uint8).numpy()).hexdigest()
-                for name, t in trainer.bf16().items()}
+    expected = {
+        name: hashlib.sha256(t.float().contiguous().view(torch.uint8).numpy()).hexdigest()
+        for name, t in trainer.bf16().items()
+    }
     matched = []
     for name, digest in server.weight_checksums().items():
         if digest == EMPTY_SHA256:  # linear layers repacked by the CPU backend read back empty
@@ -134,8 +137,11 @@ def test_linear_layers_really_change(vllm_server, trainer):
     assert vllm_server.update(trainer.bucket, anchor_path(1)).status_code == 200
     before = torch.tensor(vllm_server.prompt_logprobs(PROMPT))
     # A large, known edit of linear layers only (packed and repacked by vLLM's CPU backend).
-    edited = ["model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.q_proj.weight",
-              "model.layers.1.mlp.gate_proj.weight"]
+    edited = [
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.1.self_attn.q_proj.weight",
+        "model.layers.1.mlp.gate_proj.weight",
+    ]
     with torch.no_grad():
         for name in edited:
             trainer.model.get_parameter(name).mul_(-3.0)
@@ -225,9 +231,19 @@ def test_vllm_ext_imports_no_training_stack():
 def run_example(server, bucket, *args: str) -> str:
     """Run the main example with --vllm-url in the vLLM environment (TRL needs vLLM importable)."""
     result = subprocess.run(
-        [str(vllm_python()), str(REPO / "examples" / "grpo_delta_sync.py"), "--bucket", str(bucket),
-         "--vllm-url", server.url, *args],
-        capture_output=True, text=True, timeout=1200, cwd=bucket.parent,
+        [
+            str(vllm_python()),
+            str(REPO / "examples" / "grpo_delta_sync.py"),
+            "--bucket",
+            str(bucket),
+            "--vllm-url",
+            server.url,
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=bucket.parent,
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
@@ -259,9 +275,10 @@ def test_grpo_trainer_with_bounded_staleness(vllm_server, bucket_root):
 def test_server_reads_deltas_from_a_hugging_face_bucket(vllm_server, served_model, hub_server, monkeypatch):
     """The replica side through the real huggingface_hub + hf_xet client (Hub test double)."""
     from bucket_fixtures import HF_TOKEN
-    from conftest import VLLM_HF_BUCKET
 
     from delta_sync.storage.hf import HFBucket
+
+    from conftest import VLLM_HF_BUCKET
 
     monkeypatch.setenv("HF_ENDPOINT", hub_server.endpoint)
     monkeypatch.setenv("HF_TOKEN", HF_TOKEN)
@@ -278,8 +295,10 @@ def test_server_reads_deltas_from_a_hugging_face_bucket(vllm_server, served_mode
         # The published TRL client names the bucket by id, as `repo_id`.
         trainer.step()
         assert vllm_server.post("/start_weight_update").status_code == 200
-        response = vllm_server.post("/update_weights", json={"update_info": {
-            "repo_id": VLLM_HF_BUCKET, "filename": trainer.publisher.reports[-1].delta}})
+        response = vllm_server.post(
+            "/update_weights",
+            json={"update_info": {"repo_id": VLLM_HF_BUCKET, "filename": trainer.publisher.reports[-1].delta}},
+        )
         assert response.status_code == 200, response.text
         assert vllm_server.post("/finish_weight_update").status_code == 200
         assert vllm_server.status()["version"] == 4

@@ -19,8 +19,17 @@ def reward_cats(completions, **kwargs):
     return [completion.count("cat") + len(completion) / 20 for completion in completions]
 
 
-def grpo_trainer(tmp_path, callbacks, *, steps: int, gradient_accumulation_steps: int = 1, learning_rate: float = 2e-5,
-                 model=None, tokenizer=None, **config_overrides):
+def grpo_trainer(
+    tmp_path,
+    callbacks,
+    *,
+    steps: int,
+    gradient_accumulation_steps: int = 1,
+    learning_rate: float = 2e-5,
+    model=None,
+    tokenizer=None,
+    **config_overrides,
+):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -73,8 +82,9 @@ class FollowingReplica(TrainerCallback):
         self.start_at = start_at
         self.stop_after = stop_after
         self.replica, _ = build_tiny_model(seed=123)
-        self.receiver = Receiver(load_weights=module_weight_loader(self.replica),
-                                 expected_shapes=expected_shapes_of(self.replica))
+        self.receiver = Receiver(
+            load_weights=module_weight_loader(self.replica), expected_shapes=expected_shapes_of(self.replica)
+        )
         self.results: list[tuple[int, bool, tuple[str, ...]]] = []
 
     def on_step_end(self, args, state, control, model=None, **kwargs):

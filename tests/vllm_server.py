@@ -70,8 +70,16 @@ class VLLMServer:
         extra_env: More environment variables (e.g. `HF_ENDPOINT`).
     """
 
-    def __init__(self, model_dir: Path, *, allowed_buckets: str, log_path: Path, cache_dir: Path,
-                 extra_env: dict[str, str] | None = None, dtype: str = "float32") -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        allowed_buckets: str,
+        log_path: Path,
+        cache_dir: Path,
+        extra_env: dict[str, str] | None = None,
+        dtype: str = "float32",
+    ) -> None:
         self.model_dir = model_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -86,20 +94,39 @@ class VLLMServer:
             **(extra_env or {}),
         )
         self.args = [
-            str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", dtype, "--max-model-len", "512", "--enforce-eager", "--seed", "0",
-            "--logprobs-mode", "processed_logprobs", "--max-logprobs", "20",
-            "--worker-extension-cls", "vllm_ext.DeltaWorkerExtension",
-            "--weight-transfer-config", '{"backend": "delta"}',
+            str(vllm_python()),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            dtype,
+            "--max-model-len",
+            "512",
+            "--enforce-eager",
+            "--seed",
+            "0",
+            "--logprobs-mode",
+            "processed_logprobs",
+            "--max-logprobs",
+            "20",
+            "--worker-extension-cls",
+            "vllm_ext.DeltaWorkerExtension",
+            "--weight-transfer-config",
+            '{"backend": "delta"}',
         ]
         self.env = env
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout: float = 600.0) -> VLLMServer:
         log = open(self.log_path, "wb")
-        self.process = subprocess.Popen(self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+        self.process = subprocess.Popen(
+            self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         deadline = time.monotonic() + timeout
         while True:
             if self.process.poll() is not None:
@@ -154,19 +181,33 @@ class VLLMServer:
         return finish
 
     def greedy(self, prompt_ids: list[int], max_tokens: int = 8) -> list[int]:
-        response = self.post("/v1/completions", json={
-            "model": str(self.model_dir), "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0,
-            "return_token_ids": True, "ignore_eos": True,
-        })
+        response = self.post(
+            "/v1/completions",
+            json={
+                "model": str(self.model_dir),
+                "prompt": prompt_ids,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "return_token_ids": True,
+                "ignore_eos": True,
+            },
+        )
         response.raise_for_status()
         return response.json()["choices"][0]["token_ids"]
 
     def prompt_logprobs(self, prompt_ids: list[int]) -> list[float]:
         """Log-probability of each prompt token after the first, as the server computes it."""
-        response = self.post("/v1/completions", json={
-            "model": str(self.model_dir), "prompt": prompt_ids, "max_tokens": 1, "temperature": 0.0,
-            "echo": True, "logprobs": 0,
-        })
+        response = self.post(
+            "/v1/completions",
+            json={
+                "model": str(self.model_dir),
+                "prompt": prompt_ids,
+                "max_tokens": 1,
+                "temperature": 0.0,
+                "echo": True,
+                "logprobs": 0,
+            },
+        )
         response.raise_for_status()
         return response.json()["choices"][0]["logprobs"]["token_logprobs"][1 : len(prompt_ids)]
 

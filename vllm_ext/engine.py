@@ -124,7 +124,10 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
         else:
             logger.info(
                 "delta-sync: now at version %s after %d file(s), %d changed elements, %.3f s",
-                result.version, len(result.applied), result.changed_elements, result.seconds,
+                result.version,
+                len(result.applied),
+                result.changed_elements,
+                result.seconds,
             )
 
     def finish_weight_update(self) -> None:

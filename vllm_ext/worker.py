@@ -36,7 +36,7 @@ class DeltaWorkerExtension:
         if not isinstance(engine, DeltaWeightTransferEngine):
             raise RuntimeError(
                 "the delta weight-transfer engine is not active; start vLLM with "
-                "--weight-transfer-config '{\"backend\": \"delta\"}'"
+                '--weight-transfer-config \'{"backend": "delta"}\''
             )
         receiver = engine.receiver
         return {

@@ -49,7 +49,9 @@ def parse_hf_url(url: str) -> tuple[str, str]:
         ```
     """
     if not url.startswith(SCHEME):
-        raise BucketPathError(f"not a Hugging Face bucket URL: {url!r} (expected hf://buckets/<namespace>/<name>[/prefix])")
+        raise BucketPathError(
+            f"not a Hugging Face bucket URL: {url!r} (expected hf://buckets/<namespace>/<name>[/prefix])"
+        )
     parts = url[len(SCHEME) :].rstrip("/").split("/")
     if len(parts) < 2 or not parts[0] or not parts[1]:
         raise BucketPathError(f"{url!r} lacks a namespace and a bucket name (hf://buckets/<namespace>/<name>[/prefix])")
@@ -107,9 +109,7 @@ class HFBucket(Bucket):
         try:
             from huggingface_hub import HfApi, constants
         except ImportError as exc:
-            raise ImportError(
-                "hf:// buckets need huggingface_hub and hf_xet: pip install 'delta-sync[hf]'"
-            ) from exc
+            raise ImportError("hf:// buckets need huggingface_hub and hf_xet: pip install 'delta-sync[hf]'") from exc
         self.bucket_id, prefix = parse_hf_url(url)
         self.prefix = prefix + "/" if prefix else ""
         self.url = SCHEME + self.bucket_id + ("/" + prefix if prefix else "")
@@ -291,8 +291,10 @@ def _translate(exc: Exception, bucket: HFBucket, what: str, path: str | None) ->
         )
     if isinstance(exc, EntryNotFoundError) or type(exc).__name__ == "XetObjectNotFoundError":
         return BucketFileNotFoundError(f"{bucket.url}: no file {path!r}")
-    if status in (401, 403) or type(exc).__name__ == "XetAuthenticationError" or any(
-        marker in text for marker in ("(401", "(403", "401 Unauthorized", "403 Forbidden")
+    if (
+        status in (401, 403)
+        or type(exc).__name__ == "XetAuthenticationError"
+        or any(marker in text for marker in ("(401", "(403", "401 Unauthorized", "403 Forbidden"))
     ):
         return BucketPermissionError(
             f"{what}: permission denied (HTTP {status}); check the token (HF_TOKEN, `hf auth login`) "

@@ -237,7 +237,7 @@ class S3Bucket(Bucket):
                 )
                 errors = [e for e in response.get("Errors", []) if e.get("Code") != "NoSuchKey"]
                 if errors:
-                    failed = ", ".join(f"{e['Key'][len(self.prefix):]!r} ({e.get('Code')})" for e in errors[:5])
+                    failed = ", ".join(f"{e['Key'][len(self.prefix) :]!r} ({e.get('Code')})" for e in errors[:5])
                     raise BucketError(f"{self.url}: could not delete {len(errors)} file(s): {failed}")
 
             self._run("delete", chunk[0][len(self.prefix) :] if len(chunk) == 1 else f"{len(chunk)} files", attempt)
@@ -257,9 +257,11 @@ class S3Bucket(Bucket):
             except ClientError as exc:
                 if _error_status(exc) != 404:
                     raise
-            location = {} if not region or region == "us-east-1" else {
-                "CreateBucketConfiguration": {"LocationConstraint": region}
-            }
+            location = (
+                {}
+                if not region or region == "us-east-1"
+                else {"CreateBucketConfiguration": {"LocationConstraint": region}}
+            )
             try:
                 self._client.create_bucket(Bucket=self.name, **location)
             except ClientError as exc:
