@@ -23,7 +23,7 @@ from ..errors import (
 )
 from .base import Bucket, clean_path
 from .progress import show_progress
-from .retry import RetryPolicy
+from .retry import IncompleteTransfer, RetryPolicy
 
 if TYPE_CHECKING:
     from huggingface_hub import BucketFile, HfApi
@@ -166,7 +166,7 @@ class HFBucket(Bucket):
                 self._api.download_bucket_files(self.bucket_id, [(info, str(tmp))], raise_on_missing_files=True)
             got = tmp.stat().st_size if tmp.is_file() else None
             if got != info.size:
-                raise _IncompleteTransfer(f"got {got} of {info.size} bytes")
+                raise IncompleteTransfer(f"got {got} of {info.size} bytes")
 
         try:
             self._run("download", path, attempt)
@@ -217,16 +217,9 @@ class HFBucket(Bucket):
 
     def _run(self, op: str, path: str | None, fn: Callable[[], T]) -> T:
         what = f"{self.url}: {op}" + (f" {path!r}" if path else "")
-        try:
-            return self.retry.call(fn, transient=_is_transient, what=what)
-        except DeltaSyncError:
-            raise
-        except Exception as exc:
-            raise _translate(exc, self, what, path) from exc
-
-
-class _IncompleteTransfer(ConnectionError):
-    """A download ended with fewer bytes than the file has (retried)."""
+        return self.retry.call(
+            fn, transient=_is_transient, what=what, translate=lambda exc: _translate(exc, self, what, path)
+        )
 
 
 def _xet_hash(content: bytes | str) -> str:

@@ -12,13 +12,17 @@ from typing import TypeVar
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, stop_before_delay
 from tenacity.wait import wait_exponential, wait_random
 
-from ..errors import BucketUnavailableError
+from ..errors import BucketUnavailableError, DeltaSyncError
 
-__all__ = ["RetryPolicy"]
+__all__ = ["IncompleteTransfer", "RetryPolicy"]
 
 logger = logging.getLogger("delta_sync")
 
 T = TypeVar("T")
+
+
+class IncompleteTransfer(ConnectionError):
+    """A download ended with fewer bytes than the file has; transient, so it is retried."""
 
 
 @dataclass(frozen=True)
@@ -76,17 +80,35 @@ class RetryPolicy:
                     raise ValueError(f"{var}={value!r} is not a valid {kind.__name__}") from None
         return cls(**fields)
 
-    def call(self, fn: Callable[[], T], *, transient: Callable[[BaseException], bool], what: str) -> T:
+    def call(
+        self,
+        fn: Callable[[], T],
+        *,
+        transient: Callable[[BaseException], bool],
+        what: str,
+        translate: Callable[[Exception], DeltaSyncError] | None = None,
+    ) -> T:
         """Run `fn`, retrying it while it raises errors that `transient` accepts.
 
         Args:
             fn: The operation; it must be safe to repeat.
             transient: Whether an error may go away by retrying.
             what: The operation and its target, for log lines and the final error.
+            translate: Maps a permanent client error to this library's error (raised from it).
 
         Raises:
             BucketUnavailableError: `fn` still failed transiently when the budget ran out.
         """
+        try:
+            return self._call(fn, transient=transient, what=what)
+        except DeltaSyncError:
+            raise
+        except Exception as exc:
+            if translate is None:
+                raise
+            raise translate(exc) from exc
+
+    def _call(self, fn: Callable[[], T], *, transient: Callable[[BaseException], bool], what: str) -> T:
         started = time.monotonic()
 
         def log_retry(state: RetryCallState) -> None:

@@ -23,7 +23,7 @@ from ..errors import (
 )
 from .base import Bucket, clean_path
 from .progress import transfer_progress
-from .retry import RetryPolicy
+from .retry import IncompleteTransfer, RetryPolicy
 
 if TYPE_CHECKING:
     from botocore.exceptions import ClientError
@@ -205,7 +205,7 @@ class S3Bucket(Bucket):
                     written += len(chunk)
                     update(len(chunk))
             if written != expected:
-                raise _IncompleteTransfer(f"got {written} of {expected} bytes")
+                raise IncompleteTransfer(f"got {written} of {expected} bytes")
 
         try:
             self._run("download", path, get)
@@ -320,12 +320,9 @@ class S3Bucket(Bucket):
 
     def _run(self, op: str, path: str | None, fn: Callable[[], T]) -> T:
         what = f"{self.url}: {op}" + (f" {path!r}" if path else "")
-        try:
-            return self.retry.call(fn, transient=_is_transient, what=what)
-        except DeltaSyncError:
-            raise
-        except Exception as exc:
-            raise _translate(exc, self, what, path) from exc
+        return self.retry.call(
+            fn, transient=_is_transient, what=what, translate=lambda exc: _translate(exc, self, what, path)
+        )
 
 
 _sessions: dict[tuple, object] = {}
@@ -340,10 +337,6 @@ def _session(boto3, profile: str | None, region: str | None):
     if session is None:
         session = _sessions[key] = boto3.session.Session(profile_name=profile, region_name=region)
     return session
-
-
-class _IncompleteTransfer(ConnectionError):
-    """A download ended with fewer bytes than announced (retried)."""
 
 
 def _file_digest(path: Path) -> str:
