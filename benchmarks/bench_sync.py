@@ -41,10 +41,8 @@ from delta_sync import BF16ChangeDetector, Publisher, Receiver, module_weight_lo
 from delta_sync.layout import anchor_path, delta_path
 
 
-def qwen_like_shapes(params: float) -> dict[str, tuple[int, ...]]:
+def qwen_like_shapes(params: float, hidden: int = 1024, vocab: int = 32768) -> dict[str, tuple[int, ...]]:
     """Shapes of a Qwen3-style decoder with about `params` parameters."""
-    hidden = 1024
-    vocab = 32768
     per_layer = 4 * hidden * hidden + 3 * hidden * 3 * hidden + 2 * hidden
     layers = max(1, round((params - 2 * vocab * hidden) / per_layer))
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden)}
@@ -114,11 +112,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--params", type=float, default=100e6, help="approximate parameter count (default 1e8)")
     parser.add_argument("--changed", type=float, default=0.02, help="fraction of elements changed per step")
     parser.add_argument("--steps", type=int, default=5, help="measured steps (default 5)")
+    parser.add_argument("--hidden", type=int, default=1024, help="model width (default 1024)")
+    parser.add_argument("--vocab", type=int, default=32768, help="vocabulary (default 32768)")
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "bench_sync.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
-    shapes = qwen_like_shapes(args.params)
+    shapes = qwen_like_shapes(args.params, args.hidden, args.vocab)
     model = FlatModel(shapes, seed=0)
     numel = sum(math.prod(s) for s in shapes.values())
     generator = torch.Generator().manual_seed(1)
