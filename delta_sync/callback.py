@@ -98,6 +98,14 @@ class DeltaSyncCallback(TrainerCallback):
     (all files written), `delta/delta_bytes` (the delta file alone), `delta/sync_seconds`
     (detect + encode + upload) and `delta/detect_seconds` (the part that blocks training).
 
+    With `vllm_url`, or when TRL's `GRPOTrainer` runs with `use_vllm=True,
+    vllm_mode="server"`, every stored version is announced to the vLLM replicas (running
+    `vllm_ext`), which fetch it from the bucket themselves. In TRL's server mode the
+    callback replaces TRL's NCCL weight sync entirely and, before each generation, waits
+    until the replicas are at most `max_staleness` versions behind (see
+    `delta_sync.trl_vllm`); then `delta/replica_wait_seconds` and
+    `delta/replicas_behind` are logged too.
+
     Args:
         config: A [`DeltaSyncConfig`]; or pass its fields as keyword arguments.
 
