@@ -7,6 +7,7 @@ changed to a `load_weights(list[tuple[name, tensor]])` callable, which can be vL
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -176,10 +177,7 @@ class Receiver:
         opened = self.check_bucket(bucket)
         if filename is None:
             return self.catch_up(opened)
-        path = clean_path(filename)
-        local = self.cache.fetch(opened, path)
-        file = read_file(local, source=f"{opened.url}/{path}")
-        result = self.apply(file)
+        result = self._apply_path(opened, clean_path(filename))
         self._prune_cache(opened)
         return self._timed(result, started)
 
@@ -279,13 +277,7 @@ class Receiver:
                 raise
 
     def _timed(self, result: ApplyResult, started: float) -> ApplyResult:
-        return ApplyResult(
-            result.version,
-            result.applied,
-            result.changed_elements,
-            result.loaded_tensors,
-            time.perf_counter() - started,
-        )
+        return dataclasses.replace(result, seconds=time.perf_counter() - started)
 
     def _is_stale(self, version: int, run_id: str) -> bool:
         return self.version is not None and run_id == self.run_id and version <= self.version and not self._needs_anchor

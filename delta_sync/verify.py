@@ -107,7 +107,7 @@ def verify_bucket(bucket: Bucket | str, *, progress: bool | None = None) -> Veri
 
 def _check(report: VerifyReport, receiver: Receiver, bucket: Bucket, path: str, message: str) -> bool:
     try:
-        receiver.apply(read_file(receiver.cache.fetch(bucket, path), source=f"{bucket.url}/{path}"))
+        receiver.update(bucket, path)
     except DeltaSyncError as exc:
         report.add(path, False, str(exc))
         return False

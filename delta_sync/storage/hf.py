@@ -19,7 +19,6 @@ from ..errors import (
     BucketNotFoundError,
     BucketPathError,
     BucketPermissionError,
-    DeltaSyncError,
 )
 from .base import Bucket, clean_path
 from .progress import show_progress
@@ -239,8 +238,6 @@ def _status(exc: BaseException) -> int | None:
 
 
 def _is_transient(exc: BaseException) -> bool:
-    if isinstance(exc, DeltaSyncError):
-        return False
     from huggingface_hub.errors import HfHubHTTPError
 
     if isinstance(exc, HfHubHTTPError):

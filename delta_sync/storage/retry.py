@@ -110,6 +110,11 @@ class RetryPolicy:
 
     def _call(self, fn: Callable[[], T], *, transient: Callable[[BaseException], bool], what: str) -> T:
         started = time.monotonic()
+        client_transient = transient
+
+        def transient(exc: BaseException) -> bool:
+            # This library's own errors (a conflict, a bad path) are decisions, never glitches.
+            return not isinstance(exc, DeltaSyncError) and client_transient(exc)
 
         def log_retry(state: RetryCallState) -> None:
             error = state.outcome.exception() if state.outcome is not None else None

@@ -19,7 +19,6 @@ from ..errors import (
     BucketNotFoundError,
     BucketPathError,
     BucketPermissionError,
-    DeltaSyncError,
 )
 from .base import Bucket, clean_path
 from .progress import transfer_progress
@@ -366,8 +365,6 @@ def _is_precondition_failed(exc: Exception) -> bool:
 
 
 def _is_transient(exc: BaseException) -> bool:
-    if isinstance(exc, DeltaSyncError):
-        return False
     from botocore.exceptions import (
         ClientError,
         HTTPClientError,
