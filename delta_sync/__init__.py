@@ -1,74 +1,46 @@
 """delta-sync: bit-exact delta weight sync from an RL trainer to its rollout servers.
 
-The trainer side detects exactly which bf16 elements an optimizer step changed
-([`BF16ChangeDetector`]), writes anchors and sparse deltas to a bucket ([`Publisher`]),
-and plugs into a TRL trainer as a callback ([`DeltaSyncCallback`]). The replica side
-([`Receiver`]) applies them to a local snapshot, checking that the result is bit for bit
-the trainer's weights.
+The package has three sides:
+
+* the wire format and its checks, shared by both ends: `format` (the one gate that decides
+  whether a file is valid), `layout` (where files live in a bucket), `integrity`
+  (checksums), `control` (the HTTP contract between trainer and vLLM replicas),
+  `storage` (local, Hugging Face and S3 buckets), `errors`;
+* the trainer side, `delta_sync.trainer`: [`BF16ChangeDetector`], [`Publisher`] and
+  [`DeltaSyncCallback`] for any `transformers.Trainer`, TRL's included;
+* the replica side, `delta_sync.replica`: [`Receiver`], which applies anchors and deltas
+  to a local snapshot, checking that the result is bit for bit the trainer's weights.
+
+Every error this library raises on purpose is a [`DeltaSyncError`]; the specific classes
+live in `delta_sync.errors`.
 """
 
-from .detector import BF16ChangeDetector, ChangeSet, canonical_name
-from .errors import (
-    ApplyError,
-    BaseVersionError,
-    BucketConflictError,
-    BucketError,
-    BucketFileNotFoundError,
-    BucketNotFoundError,
-    BucketPathError,
-    BucketPermissionError,
-    BucketUnavailableError,
-    DeltaSyncError,
-    FormatError,
-    IntegrityError,
-    PublishError,
-    UntrustedBucketError,
-)
-from .format import Anchor, Delta, FileHeader, SparseChange, read_file
-from .layout import Latest, anchor_path, delta_path
-from .publisher import Publisher, PublishReport
-from .receiver import ApplyResult, Receiver, expected_shapes_of, module_weight_loader
+from .errors import DeltaSyncError
+from .format import read_file
+from .replica.receiver import ApplyResult, Receiver, expected_shapes_of, module_weight_loader
+from .replica.verify import verify_bucket
 from .storage import Bucket, LocalBucket, open_bucket
+from .trainer.detector import BF16ChangeDetector
+from .trainer.publisher import Publisher, PublishReport
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Anchor",
-    "ApplyError",
     "ApplyResult",
     "BF16ChangeDetector",
-    "BaseVersionError",
     "Bucket",
-    "BucketConflictError",
-    "BucketError",
-    "BucketFileNotFoundError",
-    "BucketNotFoundError",
-    "BucketPathError",
-    "BucketPermissionError",
-    "BucketUnavailableError",
-    "ChangeSet",
-    "Delta",
     "DeltaSyncCallback",
     "DeltaSyncConfig",
     "DeltaSyncError",
-    "FileHeader",
-    "FormatError",
-    "IntegrityError",
-    "Latest",
     "LocalBucket",
-    "PublishError",
     "PublishReport",
     "Publisher",
     "Receiver",
-    "SparseChange",
-    "UntrustedBucketError",
-    "anchor_path",
-    "canonical_name",
-    "delta_path",
     "expected_shapes_of",
     "module_weight_loader",
     "open_bucket",
     "read_file",
+    "verify_bucket",
 ]
 
 
@@ -76,7 +48,7 @@ def __getattr__(name: str):
     # The callback needs transformers; import it only when asked for, so the replica
     # side (e.g. inside a vLLM server) never pulls in the training stack.
     if name in ("DeltaSyncCallback", "DeltaSyncConfig"):
-        from . import callback
+        from .trainer import callback
 
         return getattr(callback, name)
     raise AttributeError(f"module 'delta_sync' has no attribute {name!r}")

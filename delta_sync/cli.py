@@ -19,8 +19,8 @@ from pathlib import Path
 from .errors import BucketPathError, DeltaSyncError
 from .format import Anchor, Delta, read_file
 from .layout import ANCHOR_DIR, DELTA_DIR
+from .replica.verify import verify_bucket
 from .storage import open_bucket
-from .verify import verify_bucket
 
 __all__ = ["main"]
 

@@ -81,3 +81,16 @@ class UntrustedBucketError(ApplyError):
 
 class PublishError(DeltaSyncError):
     """A background publish failed; raised at the next publish, flush or close."""
+
+
+class IncompleteTransfer(ConnectionError):
+    """A transfer ended with fewer bytes than the file has.
+
+    A transport fault, not a decision of this library (so not a [`DeltaSyncError`]): the
+    storage backends retry it, and it reaches a caller only as the cause of
+    [`BucketUnavailableError`].
+    """
+
+
+class ReplicaError(DeltaSyncError):
+    """A vLLM replica refused an update or could not be reached (after retries)."""

@@ -36,13 +36,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 from datasets import Dataset
+from tiny_model import build_tiny_model
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from delta_sync import DeltaSyncCallback, Receiver, expected_shapes_of, module_weight_loader
 from delta_sync.integrity import model_checksum, tensor_checksum
 from delta_sync.layout import step_versions
-from delta_sync.tiny_model import build_tiny_model
 
 PROMPTS = [
     f"{subject} {verb} the"

@@ -123,7 +123,7 @@ def bucket_root(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def served_model(tmp_path_factory):
-    from delta_sync.tiny_model import build_tiny_model
+    from tiny_model import build_tiny_model
 
     path = tmp_path_factory.mktemp("served-model")
     # A large lm_head makes greedy decoding insensitive to kernel rounding differences.

@@ -18,17 +18,16 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from delta_sync import (
+from delta_sync import Receiver, open_bucket
+from delta_sync.errors import (
     BucketConflictError,
     BucketNotFoundError,
     BucketPermissionError,
     BucketUnavailableError,
     PublishError,
-    Receiver,
-    open_bucket,
 )
 from delta_sync.layout import LATEST, anchor_path, delta_path
-from delta_sync.verify import verify_bucket
+from delta_sync.replica.verify import verify_bucket
 
 from conftest import PublishedRun, bits, replica_receiver
 

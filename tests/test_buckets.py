@@ -16,18 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from delta_sync import (
-    BF16ChangeDetector,
-    BucketConflictError,
-    BucketFileNotFoundError,
-    BucketPathError,
-    Publisher,
-    PublishError,
-    open_bucket,
-)
+from delta_sync import BF16ChangeDetector, Publisher, open_bucket
+from delta_sync.errors import BucketConflictError, BucketFileNotFoundError, BucketPathError, PublishError
 from delta_sync.layout import LATEST, anchor_path, delta_path, step_versions
+from delta_sync.replica.verify import verify_bucket
 from delta_sync.storage.cache import DownloadCache
-from delta_sync.verify import verify_bucket
 
 from conftest import PublishedRun, TwoTower, bf16_state, bits, replica_receiver, train_step
 

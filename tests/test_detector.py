@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from delta_sync import BF16ChangeDetector, canonical_name
+from delta_sync import BF16ChangeDetector
+from delta_sync.trainer.detector import canonical_name
 
 from conftest import TwoTower, bf16_state, bits, train_step
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from delta_sync import Receiver, anchor_path
-from delta_sync.layout import parse_step_path
+from delta_sync import Receiver
+from delta_sync.layout import anchor_path, parse_step_path
 from delta_sync.storage.cache import DownloadCache
 
 from conftest import PublishedRun

@@ -9,8 +9,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from delta_sync import Anchor, Delta, FileHeader, FormatError, SparseChange, read_file
-from delta_sync.format import index_dtype, write_anchor, write_delta
+from delta_sync import read_file
+from delta_sync.errors import FormatError
+from delta_sync.format import Anchor, Delta, FileHeader, SparseChange, index_dtype, write_anchor, write_delta
 from delta_sync.integrity import model_checksum, tensor_checksum, updated_checksum
 
 from conftest import assert_bit_exact

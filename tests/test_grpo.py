@@ -6,7 +6,7 @@ import pytest
 
 from delta_sync import DeltaSyncCallback, Receiver
 from delta_sync.layout import step_versions
-from delta_sync.verify import verify_bucket
+from delta_sync.replica.verify import verify_bucket
 
 from trainers import FollowingReplica, grpo_trainer, same_bits, trainer_bits
 

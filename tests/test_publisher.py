@@ -8,8 +8,9 @@ import time
 import pytest
 import torch
 
-from delta_sync import BF16ChangeDetector, Latest, Publisher, PublishError, read_file
-from delta_sync.layout import step_versions
+from delta_sync import BF16ChangeDetector, Publisher, read_file
+from delta_sync.errors import PublishError
+from delta_sync.layout import Latest, step_versions
 
 from conftest import PublishedRun, TwoTower, assert_bit_exact, bf16_state, replica_receiver, train_step
 
@@ -166,7 +167,8 @@ def test_a_prefix_holding_another_run_is_refused_unless_overwritten(tmp_path):
 
 def test_a_second_trainer_cannot_overwrite_a_stored_version(tmp_path):
     run = PublishedRun(tmp_path, versions=2)
-    from delta_sync import BucketConflictError, LocalBucket
+    from delta_sync import LocalBucket
+    from delta_sync.errors import BucketConflictError
 
     with pytest.raises(BucketConflictError, match="already exists"):
         LocalBucket(tmp_path).upload("deltas/step_00000002.safetensors", b"impostor", overwrite=False)

@@ -8,20 +8,17 @@ import json
 import pytest
 import torch
 
-from delta_sync import (
+from delta_sync import read_file
+from delta_sync.errors import (
     ApplyError,
     BaseVersionError,
     BucketPathError,
-    Delta,
     FormatError,
     IntegrityError,
-    SparseChange,
     UntrustedBucketError,
-    anchor_path,
-    delta_path,
-    read_file,
 )
-from delta_sync.format import write_delta
+from delta_sync.format import Delta, SparseChange, write_delta
+from delta_sync.layout import anchor_path, delta_path
 
 from conftest import assert_bit_exact, bf16_state, replica_receiver
 

@@ -6,7 +6,8 @@ import io
 
 import pytest
 
-from delta_sync import BucketError, BucketPathError, BucketUnavailableError, LocalBucket, open_bucket
+from delta_sync import LocalBucket, open_bucket
+from delta_sync.errors import BucketError, BucketPathError, BucketUnavailableError
 from delta_sync.storage import RetryPolicy
 from delta_sync.storage.hf import parse_hf_url
 from delta_sync.storage.progress import show_progress, transfer_progress

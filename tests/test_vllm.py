@@ -14,9 +14,10 @@ import subprocess
 import pytest
 import torch
 
-from delta_sync import BF16ChangeDetector, Publisher, anchor_path, delta_path, read_file
+from delta_sync import BF16ChangeDetector, Publisher, read_file
 from delta_sync.integrity import model_checksum, tensor_checksum
-from delta_sync.replicas import ReplicaSet
+from delta_sync.layout import anchor_path, delta_path
+from delta_sync.trainer.replicas import ReplicaSet
 
 from vllm_server import REPO, free_port, vllm_python
 
@@ -221,7 +222,7 @@ def test_replica_set_updates_live_replicas_and_reports_dead_ones(vllm_server, tr
 def test_vllm_ext_imports_no_training_stack():
     script = (
         "import sys, vllm_ext; "
-        "bad = [m for m in ('trl', 'transformers.trainer', 'datasets', 'delta_sync.callback') if m in sys.modules]; "
+        "bad = [m for m in ('trl', 'transformers.trainer', 'datasets', 'delta_sync.trainer.callback') if m in sys.modules]; "
         "print(bad); sys.exit(1 if bad else 0)"
     )
     result = subprocess.run([str(vllm_python()), "-c", script], capture_output=True, text=True, timeout=300)

@@ -15,9 +15,9 @@ import os
 from typing import Any
 
 from ..errors import BucketError
+from ..retry import RetryPolicy
 from .base import Bucket, clean_path
 from .local import LocalBucket
-from .retry import RetryPolicy
 
 __all__ = ["Bucket", "LocalBucket", "RetryPolicy", "clean_path", "open_bucket"]
 

@@ -19,10 +19,11 @@ from ..errors import (
     BucketNotFoundError,
     BucketPathError,
     BucketPermissionError,
+    IncompleteTransfer,
 )
+from ..retry import RetryPolicy
 from .base import Bucket, clean_path
 from .progress import show_progress
-from .retry import IncompleteTransfer, RetryPolicy
 
 if TYPE_CHECKING:
     from huggingface_hub import BucketFile, HfApi

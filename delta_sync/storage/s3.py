@@ -19,10 +19,11 @@ from ..errors import (
     BucketNotFoundError,
     BucketPathError,
     BucketPermissionError,
+    IncompleteTransfer,
 )
+from ..retry import RetryPolicy
 from .base import Bucket, clean_path
 from .progress import transfer_progress
-from .retry import IncompleteTransfer, RetryPolicy
 
 if TYPE_CHECKING:
     from botocore.exceptions import ClientError

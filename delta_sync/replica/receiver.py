@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .errors import (
+from ..errors import (
     ApplyError,
     BaseVersionError,
     BucketFileNotFoundError,
@@ -27,13 +27,13 @@ from .errors import (
     IntegrityError,
     UntrustedBucketError,
 )
-from .format import Anchor, Delta, read_file
-from .integrity import PayloadHasher, model_checksum, tensor_checksum, updated_checksum
-from .layout import LATEST, Latest, anchor_path, delta_path, parse_step_path, step_versions
-from .parallel import parallel_map
-from .sparse import gather, scatter_
-from .storage import Bucket, clean_path, open_bucket
-from .storage.cache import DownloadCache
+from ..format import Anchor, Delta, read_file
+from ..integrity import PayloadHasher, model_checksum, tensor_checksum, updated_checksum
+from ..layout import LATEST, Latest, anchor_path, delta_path, parse_step_path, step_versions
+from ..parallel import parallel_map
+from ..sparse import gather, scatter_
+from ..storage import Bucket, clean_path, open_bucket
+from ..storage.cache import DownloadCache
 
 __all__ = ["ApplyResult", "LoadWeights", "Receiver", "expected_shapes_of", "module_weight_loader"]
 

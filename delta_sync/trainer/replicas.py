@@ -23,15 +23,11 @@ from dataclasses import dataclass
 import httpx
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
-from .errors import DeltaSyncError
+from ..errors import DeltaSyncError, ReplicaError
 
-__all__ = ["Replica", "ReplicaError", "ReplicaSet", "ReplicaState"]
+__all__ = ["Replica", "ReplicaSet", "ReplicaState"]
 
 logger = logging.getLogger("delta_sync")
-
-
-class ReplicaError(DeltaSyncError):
-    """A replica refused an update or could not be reached (after retries)."""
 
 
 def _is_transient(exc: BaseException) -> bool:

@@ -14,13 +14,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import DeltaSyncError, PublishError
+from ..format import FileHeader, write_anchor, write_delta
+from ..integrity import model_checksum, tensor_checksum, updated_checksum
+from ..layout import LATEST, Latest, anchor_path, delta_path, parse_step_path, step_versions
+from ..parallel import parallel_map
+from ..storage import Bucket, open_bucket
 from .detector import BF16ChangeDetector, ChangeSet
-from .errors import DeltaSyncError, PublishError
-from .format import FileHeader, write_anchor, write_delta
-from .integrity import model_checksum, tensor_checksum, updated_checksum
-from .layout import LATEST, Latest, anchor_path, delta_path, parse_step_path, step_versions
-from .parallel import parallel_map
-from .storage import Bucket, open_bucket
 
 __all__ = ["PublishReport", "Publisher"]
 

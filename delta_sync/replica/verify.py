@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from .errors import DeltaSyncError
-from .format import Anchor, read_file
-from .layout import LATEST, Latest, anchor_path, delta_path, step_versions
+from ..errors import DeltaSyncError
+from ..format import Anchor, read_file
+from ..layout import LATEST, Latest, anchor_path, delta_path, step_versions
+from ..storage import Bucket, open_bucket
+from ..storage.cache import DownloadCache
 from .receiver import Receiver
-from .storage import Bucket, open_bucket
-from .storage.cache import DownloadCache
 
 __all__ = ["VerifyReport", "VerifyStep", "verify_bucket"]
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .format import SparseChange, index_dtype
-from .parallel import parallel_map
-from .sparse import changed_positions, gather, scatter_
+from ..format import SparseChange, index_dtype
+from ..parallel import parallel_map
+from ..sparse import changed_positions, gather, scatter_
 
 __all__ = ["BF16ChangeDetector", "ChangeSet", "canonical_name", "inner_optimizer"]
 

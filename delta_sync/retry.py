@@ -12,17 +12,13 @@ from typing import TypeVar
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, stop_before_delay
 from tenacity.wait import wait_exponential, wait_random
 
-from ..errors import BucketUnavailableError, DeltaSyncError
+from .errors import BucketUnavailableError, DeltaSyncError
 
-__all__ = ["IncompleteTransfer", "RetryPolicy"]
+__all__ = ["RetryPolicy"]
 
 logger = logging.getLogger("delta_sync")
 
 T = TypeVar("T")
-
-
-class IncompleteTransfer(ConnectionError):
-    """A download ended with fewer bytes than the file has; transient, so it is retried."""
 
 
 @dataclass(frozen=True)
