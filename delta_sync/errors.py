@@ -93,4 +93,30 @@ class IncompleteTransfer(ConnectionError):
 
 
 class ReplicaError(DeltaSyncError):
-    """A vLLM replica refused an update or could not be reached (after retries)."""
+    """A vLLM replica refused an update, could not be reached (after retries), or reported
+    a state other than the one expected.
+
+    Callers decide on the fields, never on the message text.
+
+    Args:
+        message: What went wrong, naming the replica.
+        url: The replica's base URL.
+        route: The route that failed (e.g. `/update_weights`), or None when no request did.
+        status: The HTTP status of the answer, or None when there was none.
+        server_message: The error message the server sent, or None.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        url: str,
+        route: str | None = None,
+        status: int | None = None,
+        server_message: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.url = url
+        self.route = route
+        self.status = status
+        self.server_message = server_message

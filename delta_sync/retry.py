@@ -1,4 +1,10 @@
-"""`RetryPolicy`: bounded retries with exponential backoff for transient storage failures."""
+"""`RetryPolicy`: the one retry path. Bounded retries with exponential backoff for
+transient failures of any transport: bucket operations and requests to vLLM replicas.
+
+Each transport says which of its errors are transient (a predicate passed to
+[`RetryPolicy.call`]); this module decides how long to keep trying, and that this
+library's own errors ([`DeltaSyncError`]) never are.
+"""
 
 from __future__ import annotations
 
@@ -83,6 +89,7 @@ class RetryPolicy:
         transient: Callable[[BaseException], bool],
         what: str,
         translate: Callable[[Exception], DeltaSyncError] | None = None,
+        unavailable: Callable[[str], DeltaSyncError] = BucketUnavailableError,
     ) -> T:
         """Run `fn`, retrying it while it raises errors that `transient` accepts.
 
@@ -91,12 +98,15 @@ class RetryPolicy:
             transient: Whether an error may go away by retrying.
             what: The operation and its target, for log lines and the final error.
             translate: Maps a permanent client error to this library's error (raised from it).
+            unavailable: Builds the error raised, from a message, when transient failures
+                outlast the budget.
 
         Raises:
-            BucketUnavailableError: `fn` still failed transiently when the budget ran out.
+            BucketUnavailableError: `fn` still failed transiently when the budget ran out
+                (or what `unavailable` builds).
         """
         try:
-            return self._call(fn, transient=transient, what=what)
+            return self._call(fn, transient=transient, what=what, unavailable=unavailable)
         except DeltaSyncError:
             raise
         except Exception as exc:
@@ -104,7 +114,14 @@ class RetryPolicy:
                 raise
             raise translate(exc) from exc
 
-    def _call(self, fn: Callable[[], T], *, transient: Callable[[BaseException], bool], what: str) -> T:
+    def _call(
+        self,
+        fn: Callable[[], T],
+        *,
+        transient: Callable[[BaseException], bool],
+        what: str,
+        unavailable: Callable[[str], DeltaSyncError],
+    ) -> T:
         started = time.monotonic()
         client_transient = transient
 
@@ -132,6 +149,6 @@ class RetryPolicy:
             if not transient(exc):
                 raise
             attempts = retrying.statistics.get("attempt_number", 1)
-            raise BucketUnavailableError(
+            raise unavailable(
                 f"{what}: still failing after {attempts} attempt(s) in {time.monotonic() - started:.1f} s: {exc}"
             ) from exc
