@@ -1,53 +1,68 @@
 """Trainer-side control plane: tell vLLM replicas which file to apply.
 
 The only message a replica gets is a small HTTP POST naming a file in the bucket; the
-weights themselves travel through the bucket. Each replica is driven through vLLM's
-dev-mode endpoints (`VLLM_SERVER_DEV_MODE=1`):
-
-1. `/start_weight_update`, `/update_weights` with `update_info = {"bucket", "filename"}`:
-   the replica downloads and verifies the file while it keeps generating;
-2. `/pause?mode=keep`, `/finish_weight_update`, `/reset_prefix_cache`, `/resume`:
-   generation stops only while the new tensors are loaded;
-3. `/collective_rpc` `delta_sync_status`: every worker reports its version and model
-   checksum, which must equal the trainer's.
+weights themselves travel through the bucket. [`Replica`] drives one server through the
+routes of `delta_sync.control` (start, update, then finish with generation paused, then
+the status of every worker); [`ReplicaSet`] keeps several replicas at the newest version.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import httpx
-from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
+from ..control import STATUS_METHOD, ReplicaStatus, Route, UpdateInfo
 from ..errors import DeltaSyncError, ReplicaError
+from ..retry import RetryPolicy
 
 __all__ = ["Replica", "ReplicaSet", "ReplicaState"]
 
 logger = logging.getLogger("delta_sync")
 
+#: HTTP answers that may go away by themselves (a busy or restarting server, a proxy timeout).
+_TRANSIENT_STATUS = frozenset({408, 429, 502, 503, 504})
+
+_PAUSE_MODES = ("keep", "wait", "abort")
+
 
 def _is_transient(exc: BaseException) -> bool:
+    """Whether a request to a replica may succeed if repeated: a connection or timeout
+    failure, or HTTP 408, 429, 502, 503 or 504."""
     if isinstance(exc, httpx.TransportError):
         return True
-    return isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code in (408, 429, 502, 503, 504)
+    return isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code in _TRANSIENT_STATUS
+
+
+def _retry_policy(retry_seconds: float) -> RetryPolicy:
+    """The retries of a [`Replica`]: bounded by time alone, as `retry_seconds` always was;
+    0 sends every request once."""
+    if retry_seconds < 0:
+        raise ValueError(f"retry_seconds must be >= 0, got {retry_seconds}")
+    if retry_seconds == 0:
+        return RetryPolicy(max_attempts=1)
+    return RetryPolicy(max_seconds=retry_seconds, max_attempts=sys.maxsize, initial_wait=0.2, max_wait=5.0)
 
 
 class Replica:
-    """Drives one vLLM server's weight-update endpoints.
+    """Drives one vLLM server's weight-update routes (see `delta_sync.control`).
 
     Args:
         url: Base URL of the server, e.g. `http://10.0.0.5:8000`.
-        timeout: Seconds allowed for one request; `/update_weights` downloads the file,
+        timeout: Seconds allowed for one request; [`Route.UPDATE`] downloads the file,
             so give large anchors time.
         retry_seconds: How long to keep retrying requests that fail transiently
-            (connection errors, 408/429/502/503/504), with exponential backoff.
-        pause_mode: How `/pause` treats requests in flight while tensors load: `"keep"`
-            (hold them, then continue), `"wait"` (let them finish first), `"abort"`, or
-            None to not pause.
+            (connection errors, HTTP 408/429/502/503/504), with exponential backoff;
+            0 disables retries.
+        pause_mode: How [`Route.PAUSE`] treats requests in flight while tensors load:
+            `"keep"` (hold them, then continue), `"wait"` (let them finish first),
+            `"abort"`, or None to not pause.
         headers: Sent with every request, e.g. `{"Authorization": "Bearer hf_..."}` for a
             private Space.
 
@@ -55,7 +70,7 @@ class Replica:
         ```python
         >>> replica = Replica("http://127.0.0.1:8000")
         >>> replica.update("file:///data/deltas", "deltas/step_00000002.safetensors")
-        {'version': 2, 'model_checksum': '3f0c...', ...}
+        ReplicaStatus(version=2, anchor_version=1, run_id='...', model_checksum='3f0c...', pending=0, updating=False)
         ```
     """
 
@@ -68,38 +83,25 @@ class Replica:
         pause_mode: str | None = "keep",
         headers: dict[str, str] | None = None,
     ) -> None:
-        if pause_mode not in ("keep", "wait", "abort", None):
+        if pause_mode is not None and pause_mode not in _PAUSE_MODES:
             raise ValueError(f"pause_mode must be 'keep', 'wait', 'abort' or None, got {pause_mode!r}")
         self.url = url.rstrip("/")
         self.retry_seconds = retry_seconds
+        self.retry = _retry_policy(retry_seconds)
         self.pause_mode = pause_mode
         self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
 
     def close(self) -> None:
         self._http.close()
 
-    def _post(self, route: str, *, json: dict | None = None, params: dict | None = None) -> dict:
-        retrying = Retrying(
-            retry=retry_if_exception(_is_transient),
-            stop=stop_after_delay(self.retry_seconds),
-            wait=wait_exponential(multiplier=0.2, max=5.0),
-            reraise=True,
-        )
-        try:
-            for attempt in retrying:
-                with attempt:
-                    response = self._http.post(route, json=json, params=params)
-                    response.raise_for_status()
-        except httpx.HTTPStatusError as exc:
-            raise ReplicaError(
-                f"{self.url}{route}: HTTP {exc.response.status_code}: {_error_message(exc.response)}"
-            ) from exc
-        except httpx.TransportError as exc:
-            raise ReplicaError(f"{self.url}{route}: unreachable after {self.retry_seconds:.0f} s: {exc}") from exc
-        return response.json() if response.content else {}
+    # -- the update lifecycle ---------------------------------------------------------------
 
-    def update(self, bucket: str, filename: str | None = None) -> dict:
+    def update(self, bucket: str, filename: str | None = None) -> ReplicaStatus:
         """Apply one file (or catch up to `latest.json` when `filename` is None) and confirm.
+
+        Args:
+            bucket: The bucket URL, as the replica resolves it.
+            filename: Path of an anchor or delta inside the bucket.
 
         Returns:
             The replica's status afterwards (see [`status`]).
@@ -109,51 +111,127 @@ class Replica:
                 file leaves the replica serving its previous weights.
         """
         self._start()
-        update_info = {"bucket": bucket} if filename is None else {"bucket": bucket, "filename": filename}
-        self._post("/update_weights", json={"update_info": update_info})
-        paused = False
-        try:
-            if self.pause_mode is not None:
-                self._post("/pause", params={"mode": self.pause_mode})
-                paused = True
-            self._post("/finish_weight_update")
-            self._post("/reset_prefix_cache")
-        finally:
-            if paused:
-                self._post("/resume")
+        self._post(Route.UPDATE, json={"update_info": UpdateInfo(bucket, filename).to_dict()})
+        self._finish()
         return self.status()
 
     def _start(self) -> None:
         try:
-            self._post("/start_weight_update")
-        except ReplicaError as exc:
-            if "already" not in str(exc):
+            self._post(Route.START)
+        except ReplicaError as refused:
+            # Refused with an open session: an earlier update was interrupted between
+            # start and finish. Finish it (the replica stays consistent), then start afresh.
+            if refused.status is None or not self._has_open_session():
                 raise
-            # A session left open by an interrupted update: close it, then start afresh.
             logger.warning("delta-sync: %s had an open weight update; finishing it first", self.url)
-            self._post("/finish_weight_update")
-            self._post("/start_weight_update")
+            self._finish()
+            self._post(Route.START)
 
-    def status(self) -> dict:
-        """Version and model checksum the replica serves, checked to agree across its workers.
+    def _has_open_session(self) -> bool:
+        try:
+            return self.status().updating
+        except ReplicaError as exc:
+            logger.debug("delta-sync: %s: cannot read its status: %s", self.url, exc)
+            return False
+
+    def _finish(self) -> None:
+        """Load the new tensors, with generation paused only meanwhile."""
+        paused = False
+        try:
+            if self.pause_mode is not None:
+                self._post(Route.PAUSE, params={"mode": self.pause_mode})
+                paused = True
+            self._post(Route.FINISH)
+            self._post(Route.RESET_PREFIX_CACHE)
+        finally:
+            if paused:
+                self._post(Route.RESUME)
+
+    def status(self) -> ReplicaStatus:
+        """What the replica serves, checked to agree across its workers.
 
         Returns:
-            `{"version", "anchor_version", "run_id", "model_checksum", "pending"}`.
+            The first worker's status; `updating` is True when any worker's session is open.
+
+        Raises:
+            ReplicaError: The replica could not be reached, a worker's answer is not a
+                [`ReplicaStatus`] (is `vllm_ext` loaded?), or workers serve different
+                weights.
         """
-        results = self._post("/collective_rpc", json={"method": "delta_sync_status"}).get("results") or []
-        if not results or not all(isinstance(r, dict) for r in results):
-            raise ReplicaError(f"{self.url}: delta_sync_status returned {results!r}; is vllm_ext loaded?")
-        keys = ("version", "run_id", "model_checksum")
-        if any(tuple(r.get(k) for k in keys) != tuple(results[0].get(k) for k in keys) for r in results):
-            raise ReplicaError(f"{self.url}: workers disagree: {results}")
-        return results[0]
+        answer = self._post(Route.COLLECTIVE_RPC, json={"method": STATUS_METHOD})
+        statuses = self._parse_statuses(answer.get("results"))
+        first = statuses[0]
+        if any(status.served != first.served for status in statuses):
+            served = [status.served for status in statuses]
+            raise ReplicaError(
+                f"{self.url}: workers disagree on (version, run_id, model_checksum): {served}",
+                url=self.url,
+                route=Route.COLLECTIVE_RPC,
+            )
+        return replace(first, updating=any(status.updating for status in statuses))
+
+    def _parse_statuses(self, results: Any) -> list[ReplicaStatus]:
+        try:
+            if not isinstance(results, list) or not results:
+                raise ValueError(f"expected one status per worker, got {results!r}")
+            return [ReplicaStatus.from_dict(result) for result in results]
+        except ValueError as exc:
+            raise ReplicaError(
+                f"{self.url}: {STATUS_METHOD} answered {exc}; is vllm_ext loaded?",
+                url=self.url,
+                route=Route.COLLECTIVE_RPC,
+            ) from exc
+
+    # -- one request --------------------------------------------------------------------------
+
+    def _post(self, route: str, *, json: dict[str, Any] | None = None, params: dict[str, str] | None = None) -> dict:
+        """POST to `route`, retrying transient failures; the answer's JSON object ({} if empty)."""
+
+        def send() -> dict:
+            response = self._http.post(route, json=json, params=params)
+            response.raise_for_status()
+            return response.json() if response.content else {}
+
+        return self.retry.call(
+            send,
+            transient=_is_transient,
+            what=f"{self.url}{route}",
+            translate=lambda exc: self._error(route, exc),
+            unavailable=lambda message: ReplicaError(f"replica unreachable: {message}", url=self.url, route=route),
+        )
+
+    def _error(self, route: str, exc: Exception) -> ReplicaError:
+        """A permanent failure of one request, as a [`ReplicaError`] carrying its fields."""
+        if isinstance(exc, httpx.HTTPStatusError):
+            status = exc.response.status_code
+            message = _server_message(exc.response)
+            return ReplicaError(
+                f"{self.url}{route}: HTTP {status}: {message}",
+                url=self.url,
+                route=route,
+                status=status,
+                server_message=message,
+            )
+        return ReplicaError(f"{self.url}{route}: {type(exc).__name__}: {exc}", url=self.url, route=route)
 
 
-def _error_message(response: httpx.Response) -> str:
+def _server_message(response: httpx.Response) -> str:
+    """The error message of a vLLM answer: `{"error": {"message": ...}}` from its exception
+    handlers, `{"error": "..."}` from `/pause` and `/resume`, FastAPI's `{"detail": ...}`."""
     try:
-        return response.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
+        body = response.json()
+    except ValueError:
         return response.text[:500]
+    if isinstance(body, dict):
+        error = body.get("error", body.get("detail"))
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return error["message"]
+        if isinstance(error, str):
+            return error
+    return response.text[:500]
+
+
+# -- several replicas ---------------------------------------------------------------------------
 
 
 @dataclass
@@ -175,6 +253,12 @@ class ReplicaState:
     seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class _Target:
+    version: int
+    filename: str | None
+
+
 class ReplicaSet:
     """Keeps several vLLM replicas at the newest published version, each on its own thread.
 
@@ -187,10 +271,20 @@ class ReplicaSet:
     Args:
         urls: Base URLs of the replicas.
         bucket: The bucket URL replicas read from (absolute: replicas resolve it themselves).
-        **replica_options: Passed to each [`Replica`].
+        **replica_options: Passed to each [`Replica`] (`timeout`, `retry_seconds`,
+            `pause_mode`, `headers`).
+
+    Example:
+        ```python
+        >>> replicas = ReplicaSet(["http://10.0.0.5:8000", "http://10.0.0.6:8000"], "s3://deltas/run1")
+        >>> replicas.announce(report.version, report.delta, report.model_checksum)
+        >>> behind = replicas.wait(report.version, timeout=60)
+        >>> replicas.close()
+        ```
     """
 
-    def __init__(self, urls: Iterable[str], bucket: str, **replica_options) -> None:
+    def __init__(self, urls: Iterable[str], bucket: str, **replica_options: Any) -> None:
+        UpdateInfo(bucket)  # fail here, not in every replica's thread, on an unusable bucket
         self.bucket = bucket
         self.replicas = [Replica(url, **replica_options) for url in urls]
         if not self.replicas:
@@ -199,6 +293,8 @@ class ReplicaSet:
         # version -> (path of its delta or None, model checksum)
         self._published: dict[int, tuple[str | None, str]] = {}
         self._newest: int | None = None
+        # url -> the version a replica last failed to reach
+        self._failed_at: dict[str, int] = {}
         self._condition = threading.Condition()
         self._closed = False
         self._threads = [
@@ -209,7 +305,13 @@ class ReplicaSet:
             thread.start()
 
     def announce(self, version: int, delta: str | None, model_checksum: str) -> None:
-        """A new version is fully stored in the bucket; replicas should move to it."""
+        """A new version is fully stored in the bucket; replicas should move to it.
+
+        Args:
+            version: The version published.
+            delta: Bucket path of its delta (against the version announced before), or None.
+            model_checksum: The trainer's checksum of that version, which replicas must report.
+        """
         with self._condition:
             self._published[version] = (delta, model_checksum)
             self._newest = version
@@ -218,6 +320,10 @@ class ReplicaSet:
     def wait(self, version: int, timeout: float | None = None) -> list[ReplicaState]:
         """Block until every replica serves `version` or later, or has failed since it was announced.
 
+        Args:
+            version: The version to wait for.
+            timeout: Longest wait in seconds; None waits as long as replicas keep trying.
+
         Returns:
             The states of the replicas that did not reach `version` (failed or timed out).
         """
@@ -225,15 +331,19 @@ class ReplicaSet:
         with self._condition:
             while True:
                 behind = [s for s in self.states.values() if s.version is None or s.version < version]
-                pending = [s for s in behind if s.error is None]
-                if not pending:
+                if all(self._gave_up(state) for state in behind):
                     return behind
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return behind
                 self._condition.wait(remaining)
 
+    def _gave_up(self, state: ReplicaState) -> bool:
+        # A replica that failed an older version retries the newest one: still pending.
+        return state.error is not None and self._failed_at.get(state.url) == self._newest
+
     def close(self) -> None:
+        """Stop every replica's thread (after its request in flight) and close the connections."""
         with self._condition:
             self._closed = True
             self._condition.notify_all()
@@ -242,47 +352,74 @@ class ReplicaSet:
         for replica in self.replicas:
             replica.close()
 
+    # -- each replica's thread ----------------------------------------------------------------
+
     def _follow(self, replica: Replica) -> None:
         state = self.states[replica.url]
-        while True:
-            with self._condition:
-                while not self._closed and (self._newest is None or (state.version or 0) >= self._newest):
-                    self._condition.wait()
-                if self._closed:
-                    return
-                target = self._newest
-                delta, checksum = self._published[target]
-                previous = max((v for v in self._published if v < target), default=None)
-                # The delta alone suffices only from the version right before it.
-                filename = delta if state.version is not None and state.version == previous else None
-                state.error = None  # a new attempt: wait() waits for it again
+        while (target := self._next_target(state)) is not None:
             started = time.perf_counter()
             try:
-                status = replica.update(self.bucket, filename)
-                if status.get("version") is None or status["version"] < target:
-                    raise ReplicaError(
-                        f"{replica.url}: serves version {status.get('version')} after updating to {target}"
-                    )
-                expected = self._published.get(status["version"], (None, None))[1]
-                if expected is not None and status.get("model_checksum") != expected:
-                    raise ReplicaError(
-                        f"{replica.url}: serves version {status['version']} with checksum "
-                        f"{status.get('model_checksum')}, the trainer's is {expected}"
-                    )
-            except DeltaSyncError as exc:
-                logger.error("delta-sync: replica %s did not reach version %d: %s", replica.url, target, exc)
-                with self._condition:
-                    state.error = str(exc)
-                    state.version = None  # unknown: catch up next time
-                    self._condition.notify_all()
-                    # Try again only once a newer version is announced.
-                    while not self._closed and self._newest == target:
-                        self._condition.wait()
-                continue
-            with self._condition:
-                state.version = status["version"]
-                state.model_checksum = status.get("model_checksum")
-                state.error = None
-                state.seconds = time.perf_counter() - started
-                self._condition.notify_all()
-            logger.info("delta-sync: replica %s serves version %d (%.2f s)", replica.url, state.version, state.seconds)
+                status = replica.update(self.bucket, target.filename)
+                self._confirm(replica, status, target.version)
+            except Exception as exc:
+                self._failed(state, target.version, exc)
+            else:
+                self._reached(state, status, time.perf_counter() - started)
+
+    def _next_target(self, state: ReplicaState) -> _Target | None:
+        """Wait for a version newer than the replica's (None once closed), and pick its file."""
+        with self._condition:
+            while not self._closed and (self._newest is None or (state.version or 0) >= self._newest):
+                self._condition.wait()
+            if self._closed:
+                return None
+            assert self._newest is not None
+            delta = self._published[self._newest][0]
+            previous = max((v for v in self._published if v < self._newest), default=None)
+            state.error = None  # a new attempt: wait() waits for it again
+            # The delta alone suffices only from the version right before it.
+            if state.version is not None and state.version == previous:
+                return _Target(self._newest, delta)
+            return _Target(self._newest, None)
+
+    def _confirm(self, replica: Replica, status: ReplicaStatus, target: int) -> None:
+        """The replica serves `target` or later, with the trainer's checksum of what it serves."""
+        if status.version is None or status.version < target:
+            raise ReplicaError(
+                f"{replica.url}: serves version {status.version} after updating to {target}", url=replica.url
+            )
+        with self._condition:
+            expected = self._published.get(status.version, (None, None))[1]
+        if expected is not None and status.model_checksum != expected:
+            raise ReplicaError(
+                f"{replica.url}: serves version {status.version} with checksum {status.model_checksum}, "
+                f"the trainer's is {expected}",
+                url=replica.url,
+            )
+
+    def _reached(self, state: ReplicaState, status: ReplicaStatus, seconds: float) -> None:
+        with self._condition:
+            state.version = status.version
+            state.model_checksum = status.model_checksum
+            state.error = None
+            state.seconds = seconds
+            self._condition.notify_all()
+        logger.info("delta-sync: replica %s serves version %s (%.2f s)", state.url, status.version, seconds)
+
+    def _failed(self, state: ReplicaState, target: int, exc: Exception) -> None:
+        # Our own errors say what happened; anything else is a bug worth a traceback.
+        logger.error(
+            "delta-sync: replica %s did not reach version %d: %s",
+            state.url,
+            target,
+            exc,
+            exc_info=not isinstance(exc, DeltaSyncError),
+        )
+        with self._condition:
+            state.error = str(exc)
+            state.version = None  # unknown: catch up next time
+            self._failed_at[state.url] = target
+            self._condition.notify_all()
+            # Try again only once a newer version is announced.
+            while not self._closed and self._newest == target:
+                self._condition.wait()
