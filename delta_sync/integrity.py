@@ -17,7 +17,7 @@ Two kinds of integrity data travel in every file:
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ import xxhash
 
 __all__ = [
     "PayloadHasher",
+    "add_checksums",
     "format_checksum",
     "model_checksum",
     "parse_checksum",
@@ -54,11 +55,16 @@ def _mix_into(z: np.ndarray, scratch: np.ndarray) -> None:
     np.bitwise_xor(z, scratch, out=z)
 
 
-def _hash_sum(bits: np.ndarray, positions: np.ndarray | None = None) -> int:
+def _hash_sum(
+    bits: np.ndarray,
+    positions: np.ndarray | None = None,
+    position_of: Callable[[int, int], np.ndarray] | None = None,
+) -> int:
     """Sum mod 2^64 of the element hashes of `(position, bits)` pairs.
 
-    `positions` defaults to `0, 1, 2, ...` (a whole tensor). Works through the input in
-    cache-sized chunks with preallocated buffers.
+    `positions` defaults to `0, 1, 2, ...` (a whole tensor); `position_of(start, stop)`
+    computes them chunk by chunk instead (a shard's positions in the full tensor). Works
+    through the input in cache-sized chunks with preallocated buffers.
     """
     bits = bits.view(np.uint16)
     size = min(_CHUNK, bits.size)
@@ -68,7 +74,10 @@ def _hash_sum(bits: np.ndarray, positions: np.ndarray | None = None) -> int:
     for start in range(0, bits.size, _CHUNK):
         chunk = bits[start : start + _CHUNK]
         n = chunk.size
-        if positions is None:
+        if position_of is not None:
+            z[:n] = position_of(start, start + n)
+            np.left_shift(z[:n], np.uint64(16), out=z[:n])
+        elif positions is None:
             np.add(_shifted_arange(size)[:n], np.uint64(start << 16), out=z[:n])
         else:
             z[:n] = positions[start : start + n]
@@ -91,11 +100,16 @@ def _bits(values: torch.Tensor) -> np.ndarray:
     return values.detach().reshape(-1).cpu().view(torch.int16).numpy()
 
 
-def tensor_checksum(tensor: torch.Tensor) -> int:
-    """State checksum of a whole bf16 tensor.
+def tensor_checksum(tensor: torch.Tensor, positions: Callable[[int, int], np.ndarray] | None = None) -> int:
+    """State checksum of a whole bf16 tensor, or the part of it a shard contributes.
+
+    Checksums are sums, so the checksums of the shards of a parameter, each taken with the
+    shard's positions in the full tensor, add up (mod 2^64) to the full tensor's.
 
     Args:
         tensor: A `torch.bfloat16` tensor on any device.
+        positions: For a shard, `positions(start, stop)` returns the flat positions in the
+            full tensor of the shard's flat elements `start..stop-1` (uint64 or int64).
 
     Returns:
         The checksum as an unsigned 64-bit integer.
@@ -107,7 +121,12 @@ def tensor_checksum(tensor: torch.Tensor) -> int:
         True
         ```
     """
-    return _hash_sum(_bits(tensor))
+    return _hash_sum(_bits(tensor), position_of=positions)
+
+
+def add_checksums(*checksums: int) -> int:
+    """The checksum of a parameter from the checksums of its disjoint shards."""
+    return sum(checksums) & _MASK64
 
 
 def updated_checksum(checksum: int, indices: torch.Tensor, old_values: torch.Tensor, new_values: torch.Tensor) -> int:

@@ -6,7 +6,9 @@
 | `hf://buckets/<namespace>/<name>[/prefix]` | `delta_sync.storage.hf.HFBucket` | `pip install 'delta-sync[hf]'` |
 | `s3://<bucket>[/prefix]` | `delta_sync.storage.s3.S3Bucket` | `pip install 'delta-sync[s3]'` |
 
-The remote backends import their client library only when a URL of theirs is opened.
+The remote backends import their client library only when a URL of theirs is opened;
+they share [`RemoteBucket`] (keys under a prefix, retried operations, downloads that
+appear only when complete) and add their store's calls and what its errors mean.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ from typing import Any
 
 from ..errors import BucketError
 from ..retry import RetryPolicy
-from .base import Bucket, clean_path
+from .base import Bucket, RemoteBucket, clean_path
 from .local import LocalBucket
 
-__all__ = ["Bucket", "LocalBucket", "RetryPolicy", "clean_path", "open_bucket"]
+__all__ = ["Bucket", "LocalBucket", "RemoteBucket", "RetryPolicy", "clean_path", "open_bucket"]
 
 
 def open_bucket(url: str | os.PathLike | Bucket, **options: Any) -> Bucket:

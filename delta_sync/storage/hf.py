@@ -6,31 +6,20 @@ import os
 import re
 import tempfile
 import threading
-import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
-from ..errors import (
-    BucketConflictError,
-    BucketError,
-    BucketFileNotFoundError,
-    BucketNotFoundError,
-    BucketPathError,
-    BucketPermissionError,
-    IncompleteTransfer,
-)
+from ..errors import BucketError, BucketNotFoundError, BucketPermissionError
 from ..retry import RetryPolicy
-from .base import Bucket, clean_path
+from .base import RemoteBucket, split_bucket_url
 from .progress import show_progress
 
 if TYPE_CHECKING:
     from huggingface_hub import BucketFile, HfApi
 
 __all__ = ["HFBucket", "parse_hf_url"]
-
-T = TypeVar("T")
 
 SCHEME = "hf://buckets/"
 _TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
@@ -48,18 +37,15 @@ def parse_hf_url(url: str) -> tuple[str, str]:
         ('me/deltas', 'run1')
         ```
     """
-    if not url.startswith(SCHEME):
-        raise BucketPathError(
-            f"not a Hugging Face bucket URL: {url!r} (expected hf://buckets/<namespace>/<name>[/prefix])"
-        )
-    parts = url[len(SCHEME) :].rstrip("/").split("/")
-    if len(parts) < 2 or not parts[0] or not parts[1]:
-        raise BucketPathError(f"{url!r} lacks a namespace and a bucket name (hf://buckets/<namespace>/<name>[/prefix])")
-    prefix = clean_path("/".join(parts[2:])) if len(parts) > 2 else ""
-    return f"{parts[0]}/{parts[1]}", prefix
+    return split_bucket_url(
+        url,
+        SCHEME + "<namespace>/<name>[/prefix]",
+        kind="a Hugging Face bucket URL",
+        name="a namespace and a bucket name",
+    )
 
 
-class HFBucket(Bucket):
+class HFBucket(RemoteBucket):
     """A prefix inside a Hugging Face Storage Bucket.
 
     Bytes move through Xet storage (`hf_xet`); every write is one `batch` call that
@@ -111,10 +97,8 @@ class HFBucket(Bucket):
         except ImportError as exc:
             raise ImportError("hf:// buckets need huggingface_hub and hf_xet: pip install 'delta-sync[hf]'") from exc
         self.bucket_id, prefix = parse_hf_url(url)
-        self.prefix = prefix + "/" if prefix else ""
-        self.url = SCHEME + self.bucket_id + ("/" + prefix if prefix else "")
+        super().__init__(SCHEME + self.bucket_id, prefix, retry)
         self.endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
-        self.retry = retry or RetryPolicy.from_env()
         self._api: HfApi = HfApi(endpoint=self.endpoint, token=token)
         if create:
             self._run(
@@ -123,18 +107,9 @@ class HFBucket(Bucket):
                 lambda: self._api.create_bucket(self.bucket_id, private=private, exist_ok=True),
             )
 
-    # -- Bucket interface -----------------------------------------------------------------
-
     def upload(self, path: str, source: bytes | os.PathLike, *, overwrite: bool = True) -> None:
         key = self._key(path)
-        if isinstance(source, (bytes, bytearray, memoryview)):
-            content: bytes | str = bytes(source)
-            size = len(content)
-        else:
-            content = os.fspath(source)
-            if not os.path.isfile(content):
-                raise FileNotFoundError(f"no local file {content!r} to upload to {self.url}/{path}")
-            size = os.path.getsize(content)
+        content, size = self._source(path, source)
         own_hash: list[str] = []
 
         def attempt() -> None:
@@ -145,69 +120,33 @@ class HFBucket(Bucket):
                         own_hash.append(_xet_hash(content))
                     if existing.xet_hash == own_hash[0]:
                         return  # an earlier attempt stored it and only its answer was lost
-                    raise BucketConflictError(f"{self.url}: {path!r} already exists")
+                    raise self._conflict(path)
             with _hub_progress(show_progress(size)):
                 self._api.batch_bucket_files(self.bucket_id, add=[(content, key)])
 
         self._run("upload", path, attempt)
 
-    def download(self, path: str, dest: os.PathLike) -> None:
-        key = self._key(path)
-        dest = Path(dest)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp"
+    # -- store calls ----------------------------------------------------------------------
 
-        def attempt() -> None:
-            info = self._file_info(key)
-            if info is None:
-                raise BucketFileNotFoundError(f"{self.url}: no file {path!r}")
-            tmp.unlink(missing_ok=True)
-            with _hub_progress(show_progress(info.size)):
-                self._api.download_bucket_files(self.bucket_id, [(info, str(tmp))], raise_on_missing_files=True)
-            got = tmp.stat().st_size if tmp.is_file() else None
-            if got != info.size:
-                raise IncompleteTransfer(f"got {got} of {info.size} bytes")
+    def _get(self, key: str, tmp: Path, path: str) -> int:
+        info = self._file_info(key)
+        if info is None:
+            raise self._not_found(path)
+        with _hub_progress(show_progress(info.size)):
+            self._api.download_bucket_files(self.bucket_id, [(info, str(tmp))], raise_on_missing_files=True)
+        return info.size
 
-        try:
-            self._run("download", path, attempt)
-            os.replace(tmp, dest)
-        finally:
-            tmp.unlink(missing_ok=True)
+    def _list_keys(self, under: str) -> list[str]:
+        from huggingface_hub import BucketFile
 
-    def read_bytes(self, path: str) -> bytes:
-        with tempfile.TemporaryDirectory(prefix="delta-sync-hf-") as tmp:
-            local = Path(tmp) / "file"
-            self.download(path, local)
-            return local.read_bytes()
+        entries = self._api.list_bucket_tree(self.bucket_id, prefix=under or None, recursive=True)
+        return [entry.path for entry in entries if isinstance(entry, BucketFile)]
 
-    def list(self, prefix: str = "") -> list[str]:
-        under = self.prefix + (clean_path(prefix) + "/" if prefix else "")
-
-        def attempt() -> list[str]:
-            from huggingface_hub import BucketFile
-
-            entries = self._api.list_bucket_tree(self.bucket_id, prefix=under or None, recursive=True)
-            return [e.path for e in entries if isinstance(e, BucketFile) and e.path.startswith(under)]
-
-        return sorted(key[len(self.prefix) :] for key in self._run("list", prefix or None, attempt))
-
-    def delete(self, paths: Iterable[str]) -> None:
-        keys = [self._key(path) for path in paths]
-        if not keys:
-            return
-
-        def attempt() -> None:
-            # Only paths that exist: deleting an absent path is not an error here.
-            present = [info.path for info in self._api.get_bucket_paths_info(self.bucket_id, keys)]
-            if present:
-                self._api.batch_bucket_files(self.bucket_id, delete=present)
-
-        self._run("delete", keys[0][len(self.prefix) :] if len(keys) == 1 else f"{len(keys)} files", attempt)
-
-    # -- helpers --------------------------------------------------------------------------
-
-    def _key(self, path: str) -> str:
-        return self.prefix + clean_path(path)
+    def _delete_keys(self, keys: list[str]) -> None:
+        # Only paths that exist: deleting an absent path is not an error here.
+        present = [info.path for info in self._api.get_bucket_paths_info(self.bucket_id, keys)]
+        if present:
+            self._api.batch_bucket_files(self.bucket_id, delete=present)
 
     def _file_info(self, key: str) -> BucketFile | None:
         for info in self._api.get_bucket_paths_info(self.bucket_id, [key]):
@@ -215,18 +154,71 @@ class HFBucket(Bucket):
                 return info
         return None
 
-    def _run(self, op: str, path: str | None, fn: Callable[[], T]) -> T:
-        what = f"{self.url}: {op}" + (f" {path!r}" if path else "")
-        return self.retry.call(
-            fn, transient=_is_transient, what=what, translate=lambda exc: _translate(exc, self, what, path)
+    # -- what the Hub's errors mean ---------------------------------------------------------
+
+    @staticmethod
+    def _is_transient(exc: BaseException) -> bool:
+        from huggingface_hub.errors import HfHubHTTPError
+
+        if isinstance(exc, HfHubHTTPError):
+            return _status(exc) in _TRANSIENT_STATUS
+        try:
+            import httpx2 as httpx
+        except ImportError:  # older huggingface_hub releases use httpx
+            import httpx
+        if isinstance(exc, httpx.TransportError):
+            return True
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            # hf_xet reports HTTP failures of its token and transfer calls as ConnectionError
+            # with the status in the message; client errors other than 408/429 are permanent.
+            text = str(exc)
+            return not any(f"({code}" in text or f" {code} " in text for code in (400, 401, 403, 404, 409, 422))
+        return False
+
+    def _translate(self, exc: Exception, what: str, path: str | None) -> BucketError:
+        from huggingface_hub.errors import (
+            BucketBatchError,
+            EntryNotFoundError,
+            HfHubHTTPError,
+            RepositoryNotFoundError,
+        )
+        from huggingface_hub.errors import (
+            BucketNotFoundError as HubBucketNotFound,
         )
 
+        text = str(exc)
+        status = _status(exc)
+        if status is None and (match := re.search(r"\((\d{3}) [A-Za-z ]+\)", text)):
+            status = int(match.group(1))  # hf_xet puts the HTTP status in the message
+        token_route_missing = status == 404 and "xet-" in text and "-token" in text
+        if isinstance(exc, (HubBucketNotFound, RepositoryNotFoundError)) or token_route_missing:
+            return BucketNotFoundError(
+                f"{what}: bucket {self.bucket_id} not found at {self.endpoint}, or not visible with this token"
+            )
+        if isinstance(exc, EntryNotFoundError) or type(exc).__name__ == "XetObjectNotFoundError":
+            return self._not_found(path)
+        if (
+            status in (401, 403)
+            or type(exc).__name__ == "XetAuthenticationError"
+            or any(marker in text for marker in ("(401", "(403", "401 Unauthorized", "403 Forbidden"))
+        ):
+            return BucketPermissionError(
+                f"{what}: permission denied (HTTP {status}); check the token (HF_TOKEN, `hf auth login`) "
+                f"has {'write' if 'upload' in what or 'delete' in what or 'create' in what else 'read'} access "
+                f"to bucket {self.bucket_id}"
+            )
+        if isinstance(exc, BucketBatchError):
+            return BucketError(f"{what}: the Hub refused the batch: {exc}")
+        if isinstance(exc, HfHubHTTPError):
+            return BucketError(f"{what}: HTTP {status}: {exc}")
+        return BucketError(f"{what}: {type(exc).__name__}: {exc}")
 
-def _xet_hash(content: bytes | str) -> str:
+
+def _xet_hash(content: bytes | Path) -> str:
     import hf_xet
 
-    if isinstance(content, str):
-        return hf_xet.hash_files([content])[0].hash
+    if isinstance(content, Path):
+        return hf_xet.hash_files([str(content)])[0].hash
     with tempfile.NamedTemporaryFile(prefix="delta-sync-hash-") as tmp:
         tmp.write(content)
         tmp.flush()
@@ -236,67 +228,6 @@ def _xet_hash(content: bytes | str) -> str:
 def _status(exc: BaseException) -> int | None:
     response = getattr(exc, "response", None)
     return getattr(response, "status_code", None)
-
-
-def _is_transient(exc: BaseException) -> bool:
-    from huggingface_hub.errors import HfHubHTTPError
-
-    if isinstance(exc, HfHubHTTPError):
-        return _status(exc) in _TRANSIENT_STATUS
-    try:
-        import httpx2 as httpx
-    except ImportError:  # older huggingface_hub releases use httpx
-        import httpx
-    if isinstance(exc, httpx.TransportError):
-        return True
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        # hf_xet reports HTTP failures of its token and transfer calls as ConnectionError
-        # with the status in the message; client errors other than 408/429 are permanent.
-        text = str(exc)
-        return not any(f"({code}" in text or f" {code} " in text for code in (400, 401, 403, 404, 409, 422))
-    return False
-
-
-def _translate(exc: Exception, bucket: HFBucket, what: str, path: str | None) -> BucketError:
-    from huggingface_hub.errors import (
-        BucketBatchError,
-        EntryNotFoundError,
-        HfHubHTTPError,
-        RepositoryNotFoundError,
-    )
-    from huggingface_hub.errors import (
-        BucketNotFoundError as HubBucketNotFound,
-    )
-
-    text = str(exc)
-    status = _status(exc)
-    if status is None and (match := re.search(r"\((\d{3}) [A-Za-z ]+\)", text)):
-        status = int(match.group(1))  # hf_xet puts the HTTP status in the message
-    if isinstance(exc, (HubBucketNotFound, RepositoryNotFoundError)):
-        return BucketNotFoundError(
-            f"{what}: bucket {bucket.bucket_id} not found at {bucket.endpoint}, or not visible with this token"
-        )
-    if status == 404 and "xet-" in text and "-token" in text:  # the bucket's token route itself is missing
-        return BucketNotFoundError(
-            f"{what}: bucket {bucket.bucket_id} not found at {bucket.endpoint}, or not visible with this token"
-        )
-    if isinstance(exc, EntryNotFoundError) or type(exc).__name__ == "XetObjectNotFoundError":
-        return BucketFileNotFoundError(f"{bucket.url}: no file {path!r}")
-    if (
-        status in (401, 403)
-        or type(exc).__name__ == "XetAuthenticationError"
-        or any(marker in text for marker in ("(401", "(403", "401 Unauthorized", "403 Forbidden"))
-    ):
-        return BucketPermissionError(
-            f"{what}: permission denied (HTTP {status}); check the token (HF_TOKEN, `hf auth login`) "
-            f"has {'write' if 'upload' in what or 'delete' in what or 'create' in what else 'read'} access "
-            f"to bucket {bucket.bucket_id}"
-        )
-    if isinstance(exc, BucketBatchError):
-        return BucketError(f"{what}: the Hub refused the batch: {exc}")
-    if isinstance(exc, HfHubHTTPError):
-        return BucketError(f"{what}: HTTP {status}: {exc}")
-    return BucketError(f"{what}: {type(exc).__name__}: {exc}")
 
 
 _quiet_lock = threading.Lock()

@@ -9,8 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from ..errors import BucketConflictError, BucketFileNotFoundError
-from .base import Bucket, clean_path
+from .base import Bucket, clean_path, replace_when_complete
 from .progress import copy_with_progress
 
 __all__ = ["LocalBucket"]
@@ -70,7 +69,7 @@ class LocalBucket(Bucket):
                 except FileExistsError:
                     # The same content is not a conflict: a retried write meeting its own first try.
                     if not filecmp.cmp(tmp, dest, shallow=False):
-                        raise BucketConflictError(f"{self.url}: {path!r} already exists") from None
+                        raise self._conflict(path) from None
                 Path(tmp).unlink()
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -78,26 +77,18 @@ class LocalBucket(Bucket):
 
     def download(self, path: str, dest: os.PathLike) -> None:
         src = self._file(path)
-        dest = Path(dest)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-        os.close(fd)
-        try:
+        with replace_when_complete(dest) as tmp:
             try:
                 with open(src, "rb") as source, open(tmp, "wb") as out:
                     copy_with_progress(source, out, f"download {path}", os.fstat(source.fileno()).st_size)
             except FileNotFoundError:
-                raise BucketFileNotFoundError(f"{self.url}: no file {path!r}") from None
-            os.replace(tmp, dest)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+                raise self._not_found(path) from None
 
     def read_bytes(self, path: str) -> bytes:
         try:
             return self._file(path).read_bytes()
         except FileNotFoundError:
-            raise BucketFileNotFoundError(f"{self.url}: no file {path!r}") from None
+            raise self._not_found(path) from None
 
     def list(self, prefix: str = "") -> list[str]:
         base = self._file(prefix) if prefix else self.root

@@ -4,33 +4,21 @@ from __future__ import annotations
 
 import os
 import threading
-import uuid
-from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, TypeVar
+from typing import IO, TYPE_CHECKING
 
 import xxhash
 
-from ..errors import (
-    BucketConflictError,
-    BucketError,
-    BucketFileNotFoundError,
-    BucketNotFoundError,
-    BucketPathError,
-    BucketPermissionError,
-    IncompleteTransfer,
-)
+from ..errors import BucketError, BucketFileNotFoundError, BucketNotFoundError, BucketPermissionError
 from ..retry import RetryPolicy
-from .base import Bucket, clean_path
+from .base import RemoteBucket, split_bucket_url
 from .progress import transfer_progress
 
 if TYPE_CHECKING:
     from botocore.exceptions import ClientError
 
 __all__ = ["S3Bucket", "parse_s3_url"]
-
-T = TypeVar("T")
 
 #: Object metadata holding the xxh3-128 of the content, to recognise our own earlier write.
 DIGEST_KEY = "delta-sync-xxh3-128"
@@ -68,15 +56,10 @@ def parse_s3_url(url: str) -> tuple[str, str]:
         ('my-bucket', 'runs/run1')
         ```
     """
-    if not url.startswith("s3://"):
-        raise BucketPathError(f"not an S3 URL: {url!r} (expected s3://<bucket>[/prefix])")
-    name, _, prefix = url[len("s3://") :].rstrip("/").partition("/")
-    if not name:
-        raise BucketPathError(f"{url!r} lacks a bucket name (s3://<bucket>[/prefix])")
-    return name, clean_path(prefix) if prefix else ""
+    return split_bucket_url(url, "s3://<bucket>[/prefix]", kind="an S3 URL", name="a bucket name")
 
 
-class S3Bucket(Bucket):
+class S3Bucket(RemoteBucket):
     """A prefix inside an S3 bucket, or a bucket of any S3-compatible store.
 
     Configuration is boto3's standard one: credentials and region from the environment
@@ -117,6 +100,9 @@ class S3Bucket(Bucket):
         ```
     """
 
+    #: DeleteObjects takes at most 1,000 keys.
+    delete_batch = 1000
+
     def __init__(
         self,
         url: str,
@@ -136,9 +122,7 @@ class S3Bucket(Bucket):
         if multipart_bytes < 5 << 20:
             raise ValueError(f"multipart_bytes must be at least 5 MiB (the S3 minimum part), got {multipart_bytes}")
         self.name, prefix = parse_s3_url(url)
-        self.prefix = prefix + "/" if prefix else ""
-        self.url = f"s3://{self.name}" + ("/" + prefix if prefix else "")
-        self.retry = retry or RetryPolicy.from_env()
+        super().__init__(f"s3://{self.name}", prefix, retry)
         self.multipart_bytes = multipart_bytes
         endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         self.endpoint_url = endpoint_url
@@ -155,97 +139,100 @@ class S3Bucket(Bucket):
         if create:
             self._create(session.region_name)
 
-    # -- Bucket interface -----------------------------------------------------------------
-
     def upload(self, path: str, source: bytes | os.PathLike, *, overwrite: bool = True) -> None:
         key = self._key(path)
-        if isinstance(source, (bytes, bytearray, memoryview)):
-            data: bytes | None = bytes(source)
-            file = None
-            size = len(data)
-            digest = xxhash.xxh3_128_hexdigest(data)
-        else:
-            data, file = None, Path(source)
-            if not file.is_file():
-                raise FileNotFoundError(f"no local file {str(file)!r} to upload to {self.url}/{path}")
-            size = file.stat().st_size
-            digest = _file_digest(file)
+        content, size = self._source(path, source)
+        digest = _file_digest(content) if isinstance(content, Path) else xxhash.xxh3_128_hexdigest(content)
         conditions = {} if overwrite else {"IfNoneMatch": "*"}
         metadata = {DIGEST_KEY: digest}
 
         def put() -> None:
-            body = data if data is not None else file.read_bytes()
+            body = content.read_bytes() if isinstance(content, Path) else content
             self._client.put_object(Bucket=self.name, Key=key, Body=body, Metadata=metadata, **conditions)
 
         try:
-            if file is not None and size >= self.multipart_bytes:
-                self._upload_parts(path, key, file, size, metadata, conditions)
+            if isinstance(content, Path) and size >= self.multipart_bytes:
+                self._upload_parts(path, key, content, size, metadata, conditions)
             else:
                 self._run("upload", path, put)
         except BucketError as exc:
             if not (isinstance(exc.__cause__, Exception) and _is_precondition_failed(exc.__cause__)):
                 raise
             if self._stored_digest(path, key) != digest:
-                raise BucketConflictError(f"{self.url}: {path!r} already exists") from None
+                raise self._conflict(path) from None
             # The object holds exactly our content: an earlier attempt stored it and its answer was lost.
-
-    def download(self, path: str, dest: os.PathLike) -> None:
-        key = self._key(path)
-        dest = Path(dest)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp"
-
-        def get() -> None:
-            response = self._client.get_object(Bucket=self.name, Key=key)
-            expected = response["ContentLength"]
-            written = 0
-            with open(tmp, "wb") as out, transfer_progress(f"download {path}", expected) as update:
-                for chunk in response["Body"].iter_chunks(_CHUNK):
-                    out.write(chunk)
-                    written += len(chunk)
-                    update(len(chunk))
-            if written != expected:
-                raise IncompleteTransfer(f"got {written} of {expected} bytes")
-
-        try:
-            self._run("download", path, get)
-            os.replace(tmp, dest)
-        finally:
-            tmp.unlink(missing_ok=True)
 
     def read_bytes(self, path: str) -> bytes:
         key = self._key(path)
         return self._run("read", path, lambda: self._client.get_object(Bucket=self.name, Key=key)["Body"].read())
 
-    def list(self, prefix: str = "") -> list[str]:
-        under = self.prefix + (clean_path(prefix) + "/" if prefix else "")
+    # -- store calls ----------------------------------------------------------------------
 
-        def attempt() -> list[str]:
-            pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.name, Prefix=under)
-            return [item["Key"] for page in pages for item in page.get("Contents", [])]
+    def _get(self, key: str, tmp: Path, path: str) -> int:
+        response = self._client.get_object(Bucket=self.name, Key=key)
+        expected = response["ContentLength"]
+        with open(tmp, "wb") as out, transfer_progress(f"download {path}", expected) as update:
+            for chunk in response["Body"].iter_chunks(_CHUNK):
+                out.write(chunk)
+                update(len(chunk))
+        return expected
 
-        return sorted(key[len(self.prefix) :] for key in self._run("list", prefix or None, attempt))
+    def _list_keys(self, under: str) -> list[str]:
+        pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.name, Prefix=under)
+        return [item["Key"] for page in pages for item in page.get("Contents", [])]
 
-    def delete(self, paths: Iterable[str]) -> None:
-        keys = [self._key(path) for path in paths]
-        for start in range(0, len(keys), 1000):
-            chunk = keys[start : start + 1000]
+    def _delete_keys(self, keys: list[str]) -> None:
+        response = self._client.delete_objects(
+            Bucket=self.name, Delete={"Objects": [{"Key": key} for key in keys], "Quiet": True}
+        )
+        errors = [e for e in response.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+        if errors:
+            failed = ", ".join(f"{self._path(e['Key'])!r} ({e.get('Code')})" for e in errors[:5])
+            raise BucketError(f"{self.url}: could not delete {len(errors)} file(s): {failed}")
 
-            def attempt(chunk: list[str] = chunk) -> None:
-                response = self._client.delete_objects(
-                    Bucket=self.name, Delete={"Objects": [{"Key": key} for key in chunk], "Quiet": True}
-                )
-                errors = [e for e in response.get("Errors", []) if e.get("Code") != "NoSuchKey"]
-                if errors:
-                    failed = ", ".join(f"{e['Key'][len(self.prefix) :]!r} ({e.get('Code')})" for e in errors[:5])
-                    raise BucketError(f"{self.url}: could not delete {len(errors)} file(s): {failed}")
+    # -- what S3's errors mean -------------------------------------------------------------
 
-            self._run("delete", chunk[0][len(self.prefix) :] if len(chunk) == 1 else f"{len(chunk)} files", attempt)
+    @staticmethod
+    def _is_transient(exc: BaseException) -> bool:
+        from botocore.exceptions import (
+            ClientError,
+            HTTPClientError,
+            IncompleteReadError,
+            ResponseStreamingError,
+        )
+        from botocore.exceptions import (
+            ConnectionError as BotoConnectionError,
+        )
+
+        if isinstance(exc, ClientError):
+            status = _error_status(exc) or 0
+            return _error_code(exc) in _TRANSIENT_CODES or status in (408, 429) or status >= 500
+        network = (BotoConnectionError, HTTPClientError, IncompleteReadError, ResponseStreamingError)
+        return isinstance(exc, (*network, ConnectionError, TimeoutError))
+
+    def _translate(self, exc: Exception, what: str, path: str | None) -> BucketError:
+        from botocore.exceptions import ClientError, NoCredentialsError, PartialCredentialsError
+
+        where = f" at {self.endpoint_url}" if self.endpoint_url else ""
+        if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
+            return BucketPermissionError(
+                f"{what}: no usable AWS credentials ({exc}); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                "AWS_PROFILE, or a role"
+            )
+        if not isinstance(exc, ClientError):
+            return BucketError(f"{what}: {type(exc).__name__}: {exc}")
+        code, status = _error_code(exc), _error_status(exc)
+        if code == "NoSuchBucket":
+            return BucketNotFoundError(f"{what}: bucket {self.name!r} does not exist{where}")
+        if code in ("NoSuchKey", "NotFound") or (status == 404 and code in ("404", "")):
+            return self._not_found(path)
+        if code in _PERMISSION_CODES or status == 403:
+            return BucketPermissionError(
+                f"{what}: permission denied ({code or status}); check the credentials may access bucket {self.name!r}"
+            )
+        return BucketError(f"{what}: {code or status}: {exc}")
 
     # -- helpers --------------------------------------------------------------------------
-
-    def _key(self, path: str) -> str:
-        return self.prefix + clean_path(path)
 
     def _create(self, region: str | None) -> None:
         from botocore.exceptions import ClientError
@@ -318,12 +305,6 @@ class S3Bucket(Bucket):
             return None
         return head.get("Metadata", {}).get(DIGEST_KEY)
 
-    def _run(self, op: str, path: str | None, fn: Callable[[], T]) -> T:
-        what = f"{self.url}: {op}" + (f" {path!r}" if path else "")
-        return self.retry.call(
-            fn, transient=_is_transient, what=what, translate=lambda exc: _translate(exc, self, what, path)
-        )
-
 
 _sessions: dict[tuple, object] = {}
 _sessions_lock = threading.Lock()
@@ -363,44 +344,3 @@ def _is_precondition_failed(exc: Exception) -> bool:
     from botocore.exceptions import ClientError
 
     return isinstance(exc, ClientError) and (_error_code(exc) == "PreconditionFailed" or _error_status(exc) == 412)
-
-
-def _is_transient(exc: BaseException) -> bool:
-    from botocore.exceptions import (
-        ClientError,
-        HTTPClientError,
-        IncompleteReadError,
-        ResponseStreamingError,
-    )
-    from botocore.exceptions import (
-        ConnectionError as BotoConnectionError,
-    )
-
-    if isinstance(exc, ClientError):
-        status = _error_status(exc) or 0
-        return _error_code(exc) in _TRANSIENT_CODES or status in (408, 429) or status >= 500
-    network = (BotoConnectionError, HTTPClientError, IncompleteReadError, ResponseStreamingError)
-    return isinstance(exc, (*network, ConnectionError, TimeoutError))
-
-
-def _translate(exc: Exception, bucket: S3Bucket, what: str, path: str | None) -> BucketError:
-    from botocore.exceptions import ClientError, NoCredentialsError, PartialCredentialsError
-
-    where = f" at {bucket.endpoint_url}" if bucket.endpoint_url else ""
-    if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
-        return BucketPermissionError(
-            f"{what}: no usable AWS credentials ({exc}); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
-            "AWS_PROFILE, or a role"
-        )
-    if not isinstance(exc, ClientError):
-        return BucketError(f"{what}: {type(exc).__name__}: {exc}")
-    code, status = _error_code(exc), _error_status(exc)
-    if code == "NoSuchBucket":
-        return BucketNotFoundError(f"{what}: bucket {bucket.name!r} does not exist{where}")
-    if code in ("NoSuchKey", "NotFound") or (status == 404 and code in ("404", "")):
-        return BucketFileNotFoundError(f"{bucket.url}: no file {path!r}")
-    if code in _PERMISSION_CODES or status == 403:
-        return BucketPermissionError(
-            f"{what}: permission denied ({code or status}); check the credentials may access bucket {bucket.name!r}"
-        )
-    return BucketError(f"{what}: {code or status}: {exc}")
