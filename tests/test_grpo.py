@@ -8,16 +8,17 @@ from delta_sync import DeltaSyncCallback, Receiver
 from delta_sync.layout import step_versions
 from delta_sync.replica.verify import verify_bucket
 
-from trainers import FollowingReplica, grpo_trainer, same_bits, trainer_bits
+from trainers import FollowingReplica, LogRecorder, grpo_trainer, same_bits, trainer_bits
 
 pytestmark = pytest.mark.slow
 
 
-def test_replica_is_bit_exact_after_every_step(tmp_path):
+def test_replica_is_bit_exact_after_every_step(tmp_path, capsys):
     bucket = tmp_path / "bucket"
     sync = DeltaSyncCallback(bucket=str(bucket), anchor_every=3)
     replica = FollowingReplica(sync, bucket)
-    trainer = grpo_trainer(tmp_path, [sync, replica], steps=8, gradient_accumulation_steps=2)
+    recorder = LogRecorder()
+    trainer = grpo_trainer(tmp_path, [sync, replica, recorder], steps=8, gradient_accumulation_steps=2)
     trainer.train()
     assert [step for step, _, _ in replica.results] == list(range(1, 9))
     assert all(exact for _, exact, _ in replica.results), replica.results
@@ -26,9 +27,10 @@ def test_replica_is_bit_exact_after_every_step(tmp_path):
     assert set(applied) == {"deltas"}
     kinds = [report.kind for report in sync.reports]
     assert kinds[0] == "anchor" and kinds[3] == "delta+anchor" and kinds.count("delta") == 5
-    # Metrics sit next to the loss in the trainer's own log history.
-    logged = [entry for entry in trainer.state.log_history if "loss" in entry and "delta/sparsity" in entry]
+    # Metrics sit next to the loss in the trainer's logs, as later callbacks and its printer get them.
+    logged = [entry for entry in recorder.logs if "loss" in entry and "delta/sparsity" in entry]
     assert logged and all(0.0 <= entry["delta/sparsity"] <= 1.0 for entry in logged)
+    assert "'delta/sparsity'" in capsys.readouterr().out
     assert verify_bucket(bucket).ok
 
 

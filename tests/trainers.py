@@ -100,3 +100,13 @@ class FollowingReplica(TrainerCallback):
             expected, {n: p.detach() for n, p in self.replica.named_parameters()}
         )
         self.results.append((step, exact, result.applied))
+
+
+class LogRecorder(TrainerCallback):
+    """Keeps a copy of every `logs` dict the trainer hands on, with what earlier callbacks added."""
+
+    def __init__(self) -> None:
+        self.logs: list[dict[str, float]] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs or {}))

@@ -9,31 +9,83 @@ VLLM_SERVER_DEV_MODE=1 DELTA_SYNC_ALLOWED_BUCKETS=file:///data/deltas vllm serve
 ```
 
 Importing this package registers [`DeltaWeightTransferEngine`] with vLLM's
-`WeightTransferEngineFactory` under the name `delta`.
+`WeightTransferEngineFactory` by module path (vLLM imports `vllm_ext.engine` only when it
+creates the engine), under two backend names: `delta_sync` ([`BACKEND_ALIAS`]), which is
+always ours, and `delta` ([`BACKEND`]) unless another extension registered that name
+first; then select `{"backend": "delta_sync"}`.
 """
 
 from __future__ import annotations
 
-import logging
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+from vllm.logger import init_logger
 
-from .engine import ALLOWED_BUCKETS_ENV, DeltaUpdateInfo, DeltaWeightTransferEngine
-from .worker import DeltaWorkerExtension
+from delta_sync.control import ALLOWED_BUCKETS_ENV
 
-__all__ = ["ALLOWED_BUCKETS_ENV", "BACKEND", "DeltaUpdateInfo", "DeltaWeightTransferEngine", "DeltaWorkerExtension"]
+if TYPE_CHECKING:
+    from .engine import DeltaUpdateInfo, DeltaWeightTransferEngine
+    from .worker import DeltaWorkerExtension
 
+__all__ = [
+    "ALLOWED_BUCKETS_ENV",
+    "BACKEND",
+    "BACKEND_ALIAS",
+    "DeltaUpdateInfo",
+    "DeltaWeightTransferEngine",
+    "DeltaWorkerExtension",
+]
+
+#: The backend name to select with `--weight-transfer-config '{"backend": "delta"}'`.
 BACKEND = "delta"
+#: A name no other engine uses: select it when another extension already registered `delta`.
+BACKEND_ALIAS = "delta_sync"
 
-if BACKEND not in WeightTransferEngineFactory._registry:
-    WeightTransferEngineFactory.register_engine(BACKEND, DeltaWeightTransferEngine)
-elif WeightTransferEngineFactory._registry[BACKEND]() is not DeltaWeightTransferEngine:
-    raise RuntimeError(f"another weight-transfer engine is already registered as {BACKEND!r}")
+_ENGINE = ("vllm_ext.engine", "DeltaWeightTransferEngine")
+# Names this package exports from submodules, imported on first access.
+_LAZY = {
+    "DeltaUpdateInfo": ".engine",
+    "DeltaWeightTransferEngine": ".engine",
+    "DeltaWorkerExtension": ".worker",
+}
 
-# delta_sync logs through the standard logging module; inside a vLLM process only
-# vLLM's own logger tree has handlers, so route ours through it.
-_library_logger = logging.getLogger("delta_sync")
-if not _library_logger.handlers:
-    _library_logger.handlers = list(logging.getLogger("vllm").handlers)
-    _library_logger.setLevel(logging.INFO)
-    _library_logger.propagate = False
+logger = init_logger("vllm.delta_sync")
+
+
+def _register_engine() -> None:
+    """Register the engine under both names; vLLM refuses a name twice with a `ValueError`."""
+    try:
+        WeightTransferEngineFactory.register_engine(BACKEND_ALIAS, *_ENGINE)
+    except ValueError as error:
+        raise RuntimeError(
+            f"another weight-transfer engine is already registered with vLLM as {BACKEND_ALIAS!r}, "
+            f"the name reserved for delta-sync's {_ENGINE[0]}.{_ENGINE[1]}; remove the extension "
+            "that registers it"
+        ) from error
+    try:
+        WeightTransferEngineFactory.register_engine(BACKEND, *_ENGINE)
+    except ValueError:
+        logger.warning(
+            "delta-sync: another weight-transfer engine is already registered as %r; select delta-sync's "
+            "with --weight-transfer-config '{\"backend\": \"%s\"}'",
+            BACKEND,
+            BACKEND_ALIAS,
+        )
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
+_register_engine()

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-from transformers.trainer_callback import CallbackHandler
 
 from . import trl_vllm
 from .detector import BF16ChangeDetector
 from .publisher import Publisher, PublishReport
 from .replicas import ReplicaSet
+
+if TYPE_CHECKING:
+    from trl.generation.vllm_generation import VLLMGeneration
 
 __all__ = ["DeltaSyncCallback", "DeltaSyncConfig"]
 
@@ -92,19 +94,32 @@ class DeltaSyncCallback(TrainerCallback):
 
     At train begin it hooks the real optimizer with a [`BF16ChangeDetector`]; after every
     `sync_every` optimizer steps it publishes the new version through a [`Publisher`];
-    at train end it publishes what is left and waits for the uploads. Metrics
-    join the trainer's own logs, averaged over the versions stored since the last log:
-    `delta/version` (newest), `delta/sparsity`, `delta/changed_elements`, `delta/bytes`
-    (all files written), `delta/delta_bytes` (the delta file alone), `delta/sync_seconds`
-    (detect + encode + upload) and `delta/detect_seconds` (the part that blocks training).
+    at train end it publishes what is left and waits for the uploads.
 
     With `vllm_url`, or when TRL's `GRPOTrainer` runs with `use_vllm=True,
     vllm_mode="server"`, every stored version is announced to the vLLM replicas (running
     `vllm_ext`), which fetch it from the bucket themselves. In TRL's server mode the
     callback replaces TRL's NCCL weight sync entirely and, before each generation, waits
     until the replicas are at most `max_staleness` versions behind (see
-    `delta_sync.trl_vllm`); then `delta/replica_wait_seconds` and
-    `delta/replicas_behind` are logged too.
+    `delta_sync.trainer.trl_vllm`).
+
+    Metrics: on each training log (the one with `loss`) the callback adds to the trainer's
+    `logs`, averaged over the versions stored since the last log: `delta/version` (newest),
+    `delta/sparsity`, `delta/changed_elements`, `delta/bytes` (all files written),
+    `delta/delta_bytes` (the delta file alone), `delta/sync_seconds` (detect + encode +
+    upload), `delta/detect_seconds` (the part that blocks training) and, with replicas,
+    `delta/replica_wait_seconds` and `delta/replicas_behind`. transformers hands one `logs`
+    dict to its callbacks in turn, so the metrics reach:
+
+    * the printed logs (transformers' progress bar or `PrinterCallback`, registered after
+      the callbacks passed as `callbacks=[...]`) and every callback listed after this one;
+    * not the reporting integrations that `report_to` turns on (W&B, TensorBoard, ...):
+      transformers registers them before the user's callbacks. To report the metrics
+      there, set `report_to="none"` and list the integrations after this callback:
+      `callbacks=[DeltaSyncCallback(...), *get_reporting_integration_callbacks(["wandb"])]`
+      (from `transformers.integrations`);
+    * not `trainer.state.log_history`, which keeps its copy of a log before callbacks see
+      it. [`DeltaSyncCallback.reports`] holds every version's numbers instead.
 
     Args:
         config: A [`DeltaSyncConfig`]; or pass its fields as keyword arguments.
@@ -131,30 +146,24 @@ class DeltaSyncCallback(TrainerCallback):
         self.detector: BF16ChangeDetector | None = None
         self.publisher: Publisher | None = None
         self.replicas: ReplicaSet | None = None
-        self._vllm_generation = None
+        self._vllm_generation: VLLMGeneration | None = None
         self._logged = 0
         self._sync_metrics: dict[str, float] = {}
 
     # -- lifecycle ------------------------------------------------------------------------
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
-        # Our metrics are added to `logs` in on_log; run first so that printers and reporting
-        # integrations (registered before user callbacks) see them.
-        handler = _dispatching_handler()
-        if handler is not None and self in handler.callbacks:
-            handler.callbacks.remove(self)
-            handler.callbacks.insert(0, self)
         model = kwargs.get("model")
-        if model is not None:
+        if model is not None and _uses_vllm_server(args):
             # TRL builds its vLLM client after this event; take over its weight sync.
             trl_vllm.claim(model, self)
 
-    def attach_vllm_generation(self, generation) -> None:
+    def attach_vllm_generation(self, generation: VLLMGeneration) -> None:
         """Called by TRL's vLLM generation backend once it is connected (see `trl_vllm`)."""
         self._vllm_generation = generation
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
-        if getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "server":
+        if _uses_vllm_server(args):
             if self._vllm_generation is None:
                 raise RuntimeError(
                     "DeltaSyncCallback could not take over TRL's vLLM weight sync; pass the callback "
@@ -202,17 +211,21 @@ class DeltaSyncCallback(TrainerCallback):
         if self.publisher is not None and state.global_step % self.config.sync_every == 0:
             self._publish(state.global_step)
 
-    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs=None, **kwargs):
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs,
+    ):
         if self.publisher is None or logs is None or "loss" not in logs:
             return
         reports = self.publisher.reports[self._logged :]
         if not reports:
             return
         self._logged += len(reports)
-        metrics = {**_metrics(reports), **self._sync_metrics}
-        logs.update(metrics)
-        if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update(metrics)
+        logs.update({**_metrics(reports), **self._sync_metrics})
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         if self.publisher is None:
@@ -234,10 +247,10 @@ class DeltaSyncCallback(TrainerCallback):
         if self.replicas is not None:
             self.replicas.announce(report.version, report.delta, report.model_checksum)
 
-    def sync_vllm_weights(self, generation=None) -> None:
+    def sync_vllm_weights(self) -> None:
         """Run by TRL right before a generation: wait until the replicas are recent enough.
 
-        Replaces TRL's own `sync_weights` (see `delta_sync.trl_vllm`). Versions are
+        Replaces TRL's own `sync_weights` (see `delta_sync.trainer.trl_vllm`). Versions are
         published after each optimizer step and replicas fetch them in the background;
         this waits only for what `max_staleness` requires.
         """
@@ -290,18 +303,6 @@ def _metrics(reports: list[PublishReport]) -> dict[str, float]:
     }
 
 
-def _dispatching_handler() -> CallbackHandler | None:
-    """The `CallbackHandler` that is calling the current event, found on the call stack.
-
-    transformers hands callbacks no reference to the trainer or the handler; the
-    handler's `call_event` is always a few frames up when an event runs.
-    """
-    frame = sys._getframe(1)
-    for _ in range(6):
-        if frame is None:
-            return None
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, CallbackHandler):
-            return candidate
-        frame = frame.f_back
-    return None
+def _uses_vllm_server(args: TrainingArguments) -> bool:
+    """Whether TRL will generate through a vLLM server (`GRPOConfig`, `RLOOConfig`)."""
+    return getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "server"

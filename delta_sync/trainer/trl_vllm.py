@@ -1,17 +1,26 @@
-"""Route TRL's vLLM server-mode weight sync through [`DeltaSyncCallback`].
+"""The one patch of TRL: route its vLLM server-mode weight sync through [`DeltaSyncCallback`].
 
 TRL's `GRPOTrainer` (and `RLOOTrainer`) with `use_vllm=True, vllm_mode="server"` build a
-`VLLMGeneration` right after `Trainer.__init__` has fired `on_init_end`. Its
-`_init_vllm` opens an NCCL communicator to the server (CUDA only), and its
-`sync_weights` broadcasts every tensor before each generation. Neither is wanted when
-weights travel through a bucket.
+`trl.generation.vllm_generation.VLLMGeneration` right after `Trainer.__init__` has fired
+`on_init_end`. Its constructor calls `VLLMGeneration._init_vllm`, which in server mode
+opens an NCCL communicator to the server (`VLLMClient.init_communicator`: CUDA only, and a
+rendezvous a server following a bucket never joins); its public `sync_weights` then
+broadcasts every tensor before each generation. Neither is wanted when weights travel
+through a bucket, and TRL has no option to skip the communicator.
 
-A `DeltaSyncCallback` claims its trainer's model in `on_init_end`. The wrapper installed
-here on `VLLMGeneration._init_vllm` then, for a claimed model only, connects the HTTP
-client without the communicator and replaces that generator's `sync_weights` with the
-callback's, so TRL's own gating still decides when to sync (just before a generation,
-once per optimizer step) and the callback decides how. Other trainers in the process
-are untouched.
+What this module touches in TRL, and nothing else:
+
+* `VLLMGeneration._init_vllm`, a private method, is wrapped once per process. For a model
+  claimed with [`claim`] in server mode the wrapper does TRL's server-mode set-up minus the
+  communicator (it builds the public `VLLMClient` from the generator's public `server_*`
+  and `group_port` attributes and stores it as `vllm_client`, as TRL does); for every other
+  model, mode or trainer it calls TRL's own method unchanged.
+* The claimed generator's public `sync_weights` is replaced by the owner's
+  `sync_vllm_weights`, so TRL's own gating still decides when to sync (just before a
+  generation, once per optimizer step) and the owner decides how.
+
+It was written against TRL 1.16 ([`SUPPORTED_TRL`]); [`claim`] refuses any other version
+rather than patch a method whose body it has not been checked against.
 """
 
 from __future__ import annotations
@@ -19,62 +28,97 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
 from torch import nn
 
-__all__ = ["claim", "claimed_by"]
+if TYPE_CHECKING:
+    from trl.generation.vllm_generation import VLLMGeneration
 
-_claims: weakref.WeakKeyDictionary[nn.Module, object] = weakref.WeakKeyDictionary()
+__all__ = ["SUPPORTED_TRL", "VLLMSyncOwner", "claim"]
+
+#: The TRL releases whose `VLLMGeneration._init_vllm` this patch was checked against.
+SUPPORTED_TRL = "==1.16.*"
+
+_claims: weakref.WeakKeyDictionary[nn.Module, VLLMSyncOwner] = weakref.WeakKeyDictionary()
 _install_lock = threading.Lock()
 _installed = False
 
 
-def claim(model: nn.Module, owner: object) -> bool:
-    """Route the weight sync of the `VLLMGeneration` built for `model` to `owner`.
+class VLLMSyncOwner(Protocol):
+    """What takes over a claimed `VLLMGeneration`'s weight sync ([`DeltaSyncCallback`] does)."""
 
-    `owner` must have `attach_vllm_generation(generation)` and `sync_vllm_weights(generation)`.
+    def attach_vllm_generation(self, generation: VLLMGeneration) -> None:
+        """Receive the generator once its HTTP client is connected."""
 
-    Returns:
-        False when TRL's vLLM generation backend is not importable (nothing to route).
+    def sync_vllm_weights(self) -> None:
+        """Run by TRL in place of `VLLMGeneration.sync_weights`, right before a generation."""
+
+
+def claim(model: nn.Module, owner: VLLMSyncOwner) -> None:
+    """Route the weight sync of the `VLLMGeneration` that TRL builds for `model` to `owner`.
+
+    Call it before TRL builds its generator (a callback's `on_init_end` is). Other models'
+    generators are left to TRL.
+
+    Args:
+        model: The trainer's model (the object TRL passes to `VLLMGeneration(model=...)`).
+        owner: Gets `attach_vllm_generation(generation)` once connected, and replaces the
+            generator's `sync_weights` with its `sync_vllm_weights()`.
+
+    Raises:
+        ImportError: The installed TRL is not a release this patch supports.
     """
-    if not _install():
-        return False
+    _check_trl_version()
+    _install()
     _claims[model] = owner
-    return True
 
 
-def claimed_by(model: nn.Module) -> object | None:
-    return _claims.get(model)
+def _check_trl_version() -> None:
+    """Refuse a TRL release other than the ones the patch was checked against."""
+    import trl
 
-
-def _install() -> bool:
-    global _installed
+    installed = trl.__version__
     try:
-        from trl.generation.vllm_generation import VLLMGeneration
-    except ImportError:
-        return False
+        supported = SpecifierSet(SUPPORTED_TRL).contains(Version(installed), prereleases=True)
+    except InvalidVersion:
+        supported = False
+    if not supported:
+        raise ImportError(
+            f"delta-sync's vLLM server-mode integration patches TRL's private "
+            f"`VLLMGeneration._init_vllm` and supports trl{SUPPORTED_TRL}, but trl {installed} is installed. "
+            f"Install a supported release (pip install 'trl{SUPPORTED_TRL}') or a delta-sync release made "
+            f"for trl {installed}."
+        )
+
+
+def _install() -> None:
+    global _installed
+    from trl.generation.vllm_generation import VLLMGeneration
+
     with _install_lock:
         if not _installed:
             VLLMGeneration._init_vllm = _wrap(VLLMGeneration._init_vllm)
             _installed = True
-    return True
 
 
-def _wrap(original: Callable) -> Callable:
-    def _init_vllm(generation) -> None:
+def _wrap(original: Callable[[VLLMGeneration], None]) -> Callable[[VLLMGeneration], None]:
+    def _init_vllm(generation: VLLMGeneration) -> None:
         owner = _claims.get(generation.model)
         if owner is None or generation.mode != "server":
             return original(generation)
         _connect_without_communicator(generation)
-        generation.sync_weights = lambda: owner.sync_vllm_weights(generation)
+        generation.sync_weights = owner.sync_vllm_weights
         owner.attach_vllm_generation(generation)
 
     _init_vllm.__wrapped__ = original  # type: ignore[attr-defined]
     return _init_vllm
 
 
-def _connect_without_communicator(generation) -> None:
-    """TRL's server-mode setup minus `init_communicator`: the HTTP client that generates."""
+def _connect_without_communicator(generation: VLLMGeneration) -> None:
+    """TRL's server-mode set-up minus `init_communicator`: the HTTP client that generates."""
     from trl.generation.vllm_client import VLLMClient
 
     if generation.accelerator.is_main_process:
