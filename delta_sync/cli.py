@@ -28,8 +28,10 @@ __all__ = ["main"]
 def _inspect(args: argparse.Namespace) -> int:
     if "://" in args.file and not args.file.startswith("file://"):
         with tempfile.TemporaryDirectory(prefix="delta-sync-inspect-") as tmp:
-            return _describe(args, read_file(_fetch(args.file, Path(tmp)), source=args.file))
-    return _describe(args, read_file(args.file[len("file://") :] if args.file.startswith("file://") else args.file))
+            with read_file(_fetch(args.file, Path(tmp)), source=args.file) as file:
+                return _describe(args, file)
+    with read_file(args.file[len("file://") :] if args.file.startswith("file://") else args.file) as file:
+        return _describe(args, file)
 
 
 def _fetch(url: str, directory: Path) -> Path:

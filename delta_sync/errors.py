@@ -79,6 +79,12 @@ class UntrustedBucketError(ApplyError):
     """A receiver was asked to load weights from a bucket it is not configured to trust."""
 
 
+class UnsupportedLayoutError(DeltaSyncError):
+    """The trainer's parameters are laid out in a way delta-sync cannot publish exactly
+    (e.g. FSDP1's flattened parameters, DeepSpeed ZeRO-3 partitions). Raised at train
+    begin, before anything is written; the message says what is supported."""
+
+
 class PublishError(DeltaSyncError):
     """A background publish failed; raised at the next publish, flush or close."""
 

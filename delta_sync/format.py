@@ -36,17 +36,27 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .errors import FormatError
-from .integrity import format_checksum, parse_checksum, payload_digest
+from .blocks import Block
+from .errors import FormatError, IntegrityError
+from .integrity import (
+    PayloadHasher,
+    format_checksum,
+    model_checksum,
+    parse_checksum,
+    payload_digest,
+    tensor_checksum,
+)
+from .parallel import parallel_map
 
 __all__ = [
     "Anchor",
@@ -105,6 +115,11 @@ class FileHeader:
         payload_digest: xxh3-64 of the tensor payload.
         changed_elements: Number of elements stored (all of them, for an anchor).
         total_elements: Number of elements in the whole model.
+        part: `(rank, world_size)` for one rank's part of a version written in parts
+            (see `delta_sync.manifest`); None for a whole file. A part's `checksums` are
+            its share of each parameter's checksum, and it has no `model_checksum`.
+        blocks: For an anchor part, the offset in each parameter's full tensor of the
+            block stored (the stored tensor's shape is the block's).
     """
 
     source: str
@@ -121,6 +136,8 @@ class FileHeader:
     changed_elements: int
     total_elements: int
     payload_digest: str = ""
+    part: tuple[int, int] | None = None
+    blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def sparsity(self) -> float:
@@ -133,6 +150,10 @@ class FileHeader:
     def names(self) -> list[str]:
         """Parameters present in the file, sorted."""
         return sorted(self.shapes)
+
+    def block(self, name: str, stored_shape: tuple[int, ...]) -> Block:
+        """Where an anchor's stored tensor of `name` sits in the full parameter."""
+        return Block(self.blocks.get(name, (0,) * len(stored_shape)), stored_shape)
 
     def to_metadata(self) -> dict[str, str]:
         metadata = {
@@ -151,6 +172,10 @@ class FileHeader:
             "changed_elements": str(self.changed_elements),
             "total_elements": str(self.total_elements),
         }
+        if self.part is not None:
+            metadata["part"] = f"{self.part[0]}/{self.part[1]}"
+        if self.blocks:
+            metadata["blocks"] = json.dumps({name: list(offset) for name, offset in sorted(self.blocks.items())})
         if self.kind == "delta":
             metadata.update(
                 base_version=str(self.base_version),
@@ -162,6 +187,16 @@ class FileHeader:
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, str] | None, *, source: str) -> FileHeader:
+        """Parse and check a file's safetensors metadata.
+
+        Args:
+            metadata: The metadata as `safe_open(...).metadata()` returns it.
+            source: How to name the file in error messages.
+
+        Raises:
+            FormatError: Not a delta-sync file of a version this library reads, or a field
+                is missing, malformed or contradicts another; the message names the field.
+        """
         if not metadata:
             raise FormatError(f"{source}: no safetensors metadata; not a delta-sync file")
         if metadata.get("format") != FORMAT_NAME:
@@ -171,101 +206,262 @@ class FileHeader:
                 f"{source}: unsupported format_version {metadata.get('format_version')!r} "
                 f"(this library reads {FORMAT_VERSION!r})"
             )
-        field_name = "kind"
-        try:
-            kind = metadata["kind"]
-            if kind not in ("anchor", "delta"):
-                raise ValueError(f"unknown kind {kind!r}")
-            expected_sparse = "True" if kind == "delta" else "False"
-            field_name = "sparse"
-            if metadata["sparse"] != expected_sparse:
-                raise ValueError(f"{metadata['sparse']!r} contradicts kind {kind!r}")
-            field_name = "shapes"
-            shapes = {name: tuple(int(d) for d in shape) for name, shape in json.loads(metadata["shapes"]).items()}
-            field_name = "checksums"
-            checksums = _load_checksums(metadata["checksums"])
-            base_checksums: dict[str, int] = {}
-            base_version = None
-            if kind == "delta":
-                field_name = "base_checksums"
-                base_checksums = _load_checksums(metadata["base_checksums"])
-                field_name = "base_version"
-                base_version = int(metadata["base_version"])
-                field_name = "changed_params"
-                changed_params = json.loads(metadata["changed_params"])
-                if sorted(changed_params) != sorted(shapes):
-                    raise ValueError("does not list the same parameters as 'shapes'")
-            header_fields = {}
-            for field_name in ("model_version", "anchor_version", "changed_elements", "total_elements"):
-                header_fields[field_name] = int(metadata[field_name])
-            for field_name in ("encoding", "run_id", "model_checksum", "payload_xxh3"):
-                header_fields[field_name] = str(metadata[field_name])
-        except KeyError:
-            raise FormatError(f"{source}: metadata field {field_name!r} is missing") from None
-        except (ValueError, TypeError, AttributeError) as exc:
-            raise FormatError(f"{source}: metadata field {field_name!r} is malformed: {exc}") from None
-        for name in shapes:
-            if name not in checksums:
-                raise FormatError(f"{source}: metadata 'checksums' has no entry for {name!r}")
-            if kind == "delta" and name not in base_checksums:
-                raise FormatError(f"{source}: metadata 'base_checksums' has no entry for {name!r}")
-        return cls(
-            source=source,
-            kind=kind,
-            version=header_fields["model_version"],
-            base_version=base_version,
-            anchor_version=header_fields["anchor_version"],
-            encoding=header_fields["encoding"],
-            run_id=header_fields["run_id"],
-            shapes=shapes,
-            checksums=checksums,
-            base_checksums=base_checksums,
-            model_checksum=header_fields["model_checksum"],
-            payload_digest=header_fields["payload_xxh3"],
-            changed_elements=header_fields["changed_elements"],
-            total_elements=header_fields["total_elements"],
+        kind = _KIND_FIELD.read(metadata, source)
+        values = {
+            spec.key: spec.read(metadata, source)
+            for spec in _METADATA_FIELDS
+            if kind in spec.kinds and (spec.required or spec.key in metadata)
+        }
+        _check_consistency(kind, values, source)
+        attributes: dict[str, Any] = {"base_version": None, "base_checksums": {}}  # what an anchor lacks
+        attributes.update(
+            (spec.attribute, values[spec.key]) for spec in _METADATA_FIELDS if spec.attribute and spec.key in values
         )
+        return cls(source=source, kind=kind, **attributes)
+
+
+@dataclass(frozen=True)
+class _Field:
+    """One metadata entry: where it goes in [`FileHeader`] and how to parse it.
+
+    Args:
+        key: The metadata key.
+        attribute: The `FileHeader` attribute it fills; None for entries that are only checked.
+        parse: Turns the stored string into a value; raises `ValueError` (or `TypeError`,
+            for a JSON value of the wrong type) if it is malformed.
+        kinds: The kinds of file that carry it.
+        required: Whether every file of those kinds must carry it.
+    """
+
+    key: str
+    attribute: str | None
+    parse: Callable[[str], Any]
+    kinds: tuple[str, ...] = ("anchor", "delta")
+    required: bool = True
+
+    def read(self, metadata: Mapping[str, str], source: str) -> Any:
+        if self.key not in metadata:
+            raise FormatError(f"{source}: metadata field {self.key!r} is missing")
+        try:
+            return self.parse(metadata[self.key])
+        except (ValueError, TypeError) as exc:
+            raise _malformed(source, self.key, exc) from None
+
+
+def _malformed(source: str, key: str, reason: object) -> FormatError:
+    return FormatError(f"{source}: metadata field {key!r} is malformed: {reason}")
+
+
+def _parse_kind(text: str) -> str:
+    if text not in ("anchor", "delta"):
+        raise ValueError(f"unknown kind {text!r}")
+    return text
+
+
+def _parse_sparse(text: str) -> str:
+    if text not in ("True", "False"):
+        raise ValueError(f"{text!r} is neither 'True' nor 'False'")
+    return text
+
+
+def _parse_json(text: str, kind: type) -> Any:
+    value = json.loads(text)
+    if not isinstance(value, kind):
+        raise ValueError(f"expected a JSON {'object' if kind is dict else 'list'}, got {type(value).__name__}")
+    return value
+
+
+def _parse_shapes(text: str) -> dict[str, tuple[int, ...]]:
+    shapes = {}
+    for name, shape in _parse_json(text, dict).items():
+        if not isinstance(shape, list):
+            raise ValueError(f"shape of {name!r} is not a list: {shape!r}")
+        shapes[name] = tuple(int(d) for d in shape)
+    return shapes
+
+
+def _parse_checksums(text: str) -> dict[str, int]:
+    checksums = {}
+    for name, value in _parse_json(text, dict).items():
+        if not isinstance(value, str):
+            raise ValueError(f"checksum of {name!r} is not a string: {value!r}")
+        checksums[name] = parse_checksum(value)
+    return checksums
+
+
+def _parse_part(text: str) -> tuple[int, int]:
+    rank, sep, world = text.partition("/")
+    if not (sep and rank.isdigit() and world.isdigit() and int(rank) < int(world)):
+        raise ValueError(f"expected 'rank/world_size' with rank < world_size, got {text!r}")
+    return int(rank), int(world)
+
+
+def _parse_blocks(text: str) -> dict[str, tuple[int, ...]]:
+    blocks = {}
+    for name, offset in _parse_json(text, dict).items():
+        if not isinstance(offset, list) or not all(type(d) is int and d >= 0 for d in offset):
+            raise ValueError(f"offset of {name!r} is not a list of non-negative integers: {offset!r}")
+        blocks[name] = tuple(offset)
+    return blocks
+
+
+def _parse_names(text: str) -> list[str]:
+    names = _parse_json(text, list)
+    if not all(isinstance(name, str) for name in names):
+        raise ValueError("expected a JSON list of strings")
+    return names
+
+
+_KIND_FIELD = _Field("kind", "kind", _parse_kind)
+
+#: Every metadata entry a reader checks, in the order errors are reported.
+_METADATA_FIELDS = (
+    _Field("sparse", None, _parse_sparse),
+    _Field("shapes", "shapes", _parse_shapes),
+    _Field("checksums", "checksums", _parse_checksums),
+    _Field("base_checksums", "base_checksums", _parse_checksums, ("delta",)),
+    _Field("base_version", "base_version", int, ("delta",)),
+    _Field("changed_params", None, _parse_names, ("delta",)),
+    _Field("model_version", "version", int),
+    _Field("anchor_version", "anchor_version", int),
+    _Field("changed_elements", "changed_elements", int),
+    _Field("total_elements", "total_elements", int),
+    _Field("encoding", "encoding", str),
+    _Field("run_id", "run_id", str),
+    _Field("model_checksum", "model_checksum", str),
+    _Field("payload_xxh3", "payload_digest", str),
+    _Field("part", "part", _parse_part, required=False),
+    _Field("blocks", "blocks", _parse_blocks, ("anchor",), required=False),
+)
+
+
+def _check_consistency(kind: str, values: Mapping[str, Any], source: str) -> None:
+    """Checks across fields: `sparse` agrees with `kind`, and every parameter has its entries."""
+    if values["sparse"] != ("True" if kind == "delta" else "False"):
+        raise _malformed(source, "sparse", f"{values['sparse']!r} contradicts kind {kind!r}")
+    shapes = values["shapes"]
+    if kind == "delta" and sorted(values["changed_params"]) != sorted(shapes):
+        raise _malformed(source, "changed_params", "does not list the same parameters as 'shapes'")
+    for key in ("checksums", "base_checksums") if kind == "delta" else ("checksums",):
+        missing = [name for name in shapes if name not in values[key]]
+        if missing:
+            raise FormatError(f"{source}: metadata {key!r} has no entry for {missing[0]!r}")
+    if "blocks" in values and ("part" not in values or sorted(values["blocks"]) != sorted(shapes)):
+        raise _malformed(source, "blocks", "only an anchor part has blocks, one per parameter of 'shapes'")
 
 
 def _dump_checksums(checksums: Mapping[str, int]) -> str:
     return json.dumps({name: format_checksum(value) for name, value in sorted(checksums.items())})
 
 
-def _load_checksums(text: str) -> dict[str, int]:
-    return {name: parse_checksum(value) for name, value in json.loads(text).items()}
+_File = TypeVar("_File", bound="_ClosingFile")
+
+
+class _ClosingFile:
+    """`with read_file(path) as file:` closes what the file holds open."""
+
+    def close(self) -> None:
+        """Release the file's handle; idempotent."""
+
+    def __enter__(self: _File) -> _File:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 @dataclass
-class Anchor:
-    """A full-weights file. `tensors` loads each tensor from disk on first access.
+class Anchor(_ClosingFile):
+    """A full-weights file, read lazily: each tensor is loaded from disk when asked for.
+
+    [`read_file`] checks its structure; [`Anchor.verify`] reads the tensors and checks them
+    against the recorded checksums and payload digest. Use it as a context manager (or call
+    `close`) to release the open file.
 
     Args:
         header: The parsed metadata.
         path: Local path of the file.
+
+    Example:
+        ```python
+        >>> with read_file("anchors/step_00000001.safetensors") as anchor:
+        ...     anchor.verify()
+        ...     embed = anchor.tensor("model.embed_tokens.weight")
+        ```
     """
 
     header: FileHeader
     path: Path
-    _handle: object = field(default=None, repr=False)
+    _handle: safe_open | None = field(default=None, repr=False)
+    _closed: bool = field(default=False, repr=False)
 
     def tensor(self, name: str) -> torch.Tensor:
-        """Load one parameter (CPU, bf16)."""
-        if self._handle is None:
-            self._handle = safe_open(str(self.path), framework="pt")
+        """Load one parameter (CPU, bf16).
+
+        Raises:
+            FormatError: The tensor cannot be read.
+            ValueError: The anchor is closed.
+        """
         try:
-            return self._handle.get_tensor(name)  # type: ignore[attr-defined]
+            return self._reader().get_tensor(name)
         except SafetensorError as exc:
             raise FormatError(f"{self.header.source}: cannot read tensor {name!r}: {exc}") from exc
+
+    def _reader(self) -> safe_open:
+        if self._closed:
+            raise ValueError(f"{self.header.source}: the anchor is closed")
+        if self._handle is None:
+            self._handle = safe_open(str(self.path), framework="pt")
+        return self._handle
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         """`(name, tensor)` for every parameter, in sorted name order, one at a time."""
         for name in self.header.names:
             yield name, self.tensor(name)
 
+    def verify(self) -> None:
+        """Check that the stored tensors are the ones the trainer recorded.
+
+        Reads every tensor twice (per-parameter checksums on all cores, then the payload
+        digest), holding one tensor per core at a time.
+
+        Raises:
+            IntegrityError: A parameter, the payload digest or the model checksum does not
+                match the recorded value; the message names the file and the parameter.
+        """
+        header = self.header
+        if header.part is None and model_checksum(header.checksums) != header.model_checksum:
+            raise IntegrityError(f"{header.source}: model checksum does not match the per-parameter checksums")
+        self._reader()  # open once, before the threads read through it
+        names = header.names
+
+        def checksum_of(name: str) -> int:
+            tensor = self.tensor(name)
+            block = header.block(name, tuple(tensor.shape))
+            return tensor_checksum(tensor, block.position_of(header.shapes[name]))
+
+        for name, checksum in zip(names, parallel_map(checksum_of, names)):
+            if checksum != header.checksums[name]:
+                raise IntegrityError(f"{header.source}: parameter {name!r} does not match its recorded checksum")
+        hasher = PayloadHasher()
+        for name, tensor in self.items():
+            hasher.update(name, tensor)
+        if hasher.hexdigest() != header.payload_digest:
+            raise IntegrityError(f"{header.source}: payload digest does not match; the file is damaged")
+
+    def close(self) -> None:
+        """Close the file. Tensors already loaded stay valid."""
+        if self._handle is not None:
+            self._handle.__exit__(None, None, None)
+        self._handle, self._closed = None, True
+
 
 @dataclass
-class Delta:
-    """A raw delta, fully loaded (deltas are small).
+class Delta(_ClosingFile):
+    """A raw delta, fully loaded and checked by [`read_file`] (deltas are small).
+
+    It holds no open file; it is a context manager only so that code reading either kind of
+    file can say `with read_file(path) as file:`.
 
     Args:
         header: The parsed metadata.
@@ -329,16 +525,21 @@ def raw_delta_tensors(
     return tensors
 
 
-def read_file(path: str | os.PathLike, *, source: str | None = None) -> Anchor | Delta:
+def read_file(path: str | os.PathLike, *, source: str | None = None, part_of: str | None = None) -> Anchor | Delta:
     """Open an anchor or a delta and check that it is well formed.
 
-    For a delta this loads every tensor and checks dtypes, lengths, index order and
-    range, and the payload digest. For an anchor it reads the header and checks that the
-    stored tensors match it; tensor data is loaded on access (see [`Anchor`]).
+    This is the one gate that decides whether a file is valid. For a delta it loads every
+    tensor and checks dtypes, lengths, index order and range, and the payload digest. For
+    an anchor it checks that the stored tensors' names, dtypes and shapes match the
+    metadata; tensor data is loaded on access and checked by [`Anchor.verify`]. An anchor
+    keeps its file open until closed: use `with read_file(path) as file:`.
 
     Args:
         path: Local path of the file.
         source: How to name the file in error messages (e.g. its bucket URL); defaults to `path`.
+        part_of: The manifest this file is read for, when it is one rank's part of a version
+            (see `delta_sync.manifest`). A part read on its own is refused: it holds only
+            some of the version's elements.
 
     Returns:
         An [`Anchor`] or a [`Delta`].
@@ -350,50 +551,72 @@ def read_file(path: str | os.PathLike, *, source: str | None = None) -> Anchor |
     Example:
         ```python
         >>> from delta_sync import read_file
-        >>> delta = read_file("deltas/step_00000002.safetensors")
-        >>> delta.header.version, delta.header.sparsity
+        >>> with read_file("deltas/step_00000002.safetensors") as delta:
+        ...     delta.header.version, delta.header.sparsity
         (2, 0.9921)
         >>> indices, values = delta.changes["model.norm.weight"].indices, delta.changes["model.norm.weight"].values
         ```
     """
     source = source or str(path)
+    with ExitStack() as stack:
+        handle = stack.enter_context(_open(path, source))
+        header = FileHeader.from_metadata(handle.metadata(), source=source)
+        if header.part is not None and part_of is None:
+            rank, world = header.part
+            raise FormatError(
+                f"{source}: is part {rank + 1} of {world} of {header.kind} v{header.version}, written by a sharded "
+                "trainer; apply the version's manifest instead"
+            )
+        if header.part is None and part_of is not None:
+            raise FormatError(f"{source}: is named by {part_of} as a part, but is a whole file")
+        if header.kind == "delta":
+            return Delta(header=header, changes=_read_delta_changes(handle, header))
+        _check_anchor_layout(handle, header)
+        stack.pop_all()  # the anchor closes the handle
+        return Anchor(header=header, path=Path(path), _handle=handle)
+
+
+def _open(path: str | os.PathLike, source: str) -> safe_open:
     try:
-        handle = safe_open(str(path), framework="pt")
-        metadata = handle.metadata()
-        keys = set(handle.keys())
+        return safe_open(str(path), framework="pt")
     except (SafetensorError, OSError, ValueError) as exc:
         raise FormatError(f"{source}: not a readable safetensors file: {exc}") from exc
-    header = FileHeader.from_metadata(metadata, source=source)
-    if header.kind == "anchor":
-        _check_anchor_layout(handle, keys, header)
-        return Anchor(header=header, path=Path(path), _handle=handle)
-    if header.encoding != "raw":
-        raise FormatError(f"{source}: delta encoding {header.encoding!r} is not supported (known: 'raw')")
-    return Delta(header=header, changes=_read_raw_changes(handle, keys, header))
 
 
-def _check_anchor_layout(handle, keys: set[str], header: FileHeader) -> None:
+def _check_anchor_layout(handle: safe_open, header: FileHeader) -> None:
+    keys = set(handle.keys())
     if keys != set(header.shapes):
         missing = sorted(set(header.shapes) - keys)
         extra = sorted(keys - set(header.shapes))
         raise FormatError(
             f"{header.source}: tensors do not match metadata 'shapes' (missing {missing}, unexpected {extra})"
         )
+    stored = 0
     for name in keys:
         view = handle.get_slice(name)
         if view.get_dtype() != "BF16":
             raise FormatError(f"{header.source}: tensor {name!r} is {view.get_dtype()}, expected BF16")
-        if tuple(view.get_shape()) != header.shapes[name]:
+        block = header.block(name, tuple(view.get_shape()))
+        if not block.fits(header.shapes[name]) or (header.part is None and block.shape != header.shapes[name]):
             raise FormatError(
-                f"{header.source}: tensor {name!r} has shape {tuple(view.get_shape())}, "
-                f"metadata says {header.shapes[name]}"
+                f"{header.source}: tensor {name!r} has shape {tuple(view.get_shape())}"
+                + (f" at offset {block.offset}" if header.blocks else "")
+                + f", metadata says {header.shapes[name]}"
             )
-    if header.changed_elements != sum(math.prod(shape) for shape in header.shapes.values()):
+        stored += block.numel
+    if header.changed_elements != stored:
         raise FormatError(f"{header.source}: metadata 'changed_elements' does not match the anchor's tensors")
 
 
-def _read_raw_changes(handle, keys: set[str], header: FileHeader) -> dict[str, SparseChange]:
+def _read_delta_changes(handle: safe_open, header: FileHeader) -> dict[str, SparseChange]:
+    if header.encoding != "raw":
+        raise FormatError(f"{header.source}: delta encoding {header.encoding!r} is not supported (known: 'raw')")
+    return _read_raw_changes(handle, header)
+
+
+def _read_raw_changes(handle: safe_open, header: FileHeader) -> dict[str, SparseChange]:
     source = header.source
+    keys = set(handle.keys())
     expected = {name + suffix for name in header.shapes for suffix in (INDICES_SUFFIX, VALUES_SUFFIX)}
     if keys != expected:
         missing = sorted(expected - keys)

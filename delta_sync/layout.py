@@ -1,9 +1,18 @@
 """Where files live inside a bucket prefix, and the `latest.json` pointer.
 
 ```
-anchors/step_00000001.safetensors   full bf16 weights of version 1
-deltas/step_00000002.safetensors    sparse changes from version 1 to version 2
-latest.json                         the newest version whose files are fully stored
+anchors/step_00000001.safetensors          full bf16 weights of version 1
+deltas/step_00000002.safetensors           sparse changes from version 1 to version 2
+latest.json                                the newest version whose files are fully stored
+```
+
+A sharded trainer writes each version as one part per rank plus a manifest naming them
+(the manifest is what a replica is pointed at, and what `latest.json` names):
+
+```
+deltas/step_00000003.manifest.json
+deltas/step_00000003/part_00000.safetensors
+deltas/step_00000003/part_00001.safetensors
 ```
 """
 
@@ -19,7 +28,10 @@ ANCHOR_DIR = "anchors"
 DELTA_DIR = "deltas"
 LATEST = "latest.json"
 
-_STEP_FILE = re.compile(r"^(anchors|deltas)/step_(\d{8,})\.safetensors$")
+MANIFEST_SUFFIX = ".manifest.json"
+
+_STEP_FILE = re.compile(r"^(anchors|deltas)/step_(\d{8,})(\.safetensors|\.manifest\.json)$")
+_PART_FILE = re.compile(r"^(anchors|deltas)/step_(\d{8,})/part_(\d{5,})\.safetensors$")
 
 
 def anchor_path(version: int) -> str:
@@ -32,9 +44,24 @@ def delta_path(version: int) -> str:
     return f"{DELTA_DIR}/step_{version:08d}.safetensors"
 
 
+def manifest_path(kind: str, version: int) -> str:
+    """Path of the manifest of a version written in parts (`kind` is "anchor" or "delta")."""
+    return f"{_directory(kind)}/step_{version:08d}{MANIFEST_SUFFIX}"
+
+
+def part_path(kind: str, version: int, rank: int) -> str:
+    """Path of one rank's part of a version written in parts."""
+    return f"{_directory(kind)}/step_{version:08d}/part_{rank:05d}.safetensors"
+
+
+def is_manifest(path: str) -> bool:
+    return path.endswith(MANIFEST_SUFFIX)
+
+
 def parse_step_path(path: str) -> tuple[str, int] | None:
-    """Return `("anchor" | "delta", version)` for a step file path, or None for anything else."""
-    match = _STEP_FILE.match(path)
+    """Return `("anchor" | "delta", version)` for any file of a version (single file,
+    manifest or part), or None for anything else."""
+    match = _STEP_FILE.match(path) or _PART_FILE.match(path)
     if match is None:
         return None
     kind = "anchor" if match.group(1) == ANCHOR_DIR else "delta"
@@ -42,13 +69,26 @@ def parse_step_path(path: str) -> tuple[str, int] | None:
 
 
 def step_versions(paths: list[str], kind: str) -> list[int]:
-    """Sorted versions of the `kind` ("anchor" or "delta") step files among `paths`."""
-    versions = []
+    """Sorted versions of `kind` ("anchor" or "delta") among `paths` that a replica can
+    apply: those with a single file or a manifest (parts alone do not make a version)."""
+    return sorted(version_files(paths, kind))
+
+
+def version_files(paths: list[str], kind: str) -> dict[int, str]:
+    """Version -> the path a replica applies (the single file, or the manifest of a
+    version written in parts), for the `kind` ("anchor" or "delta") among `paths`."""
+    found: dict[int, str] = {}
     for path in paths:
-        parsed = parse_step_path(path)
-        if parsed is not None and parsed[0] == kind:
-            versions.append(parsed[1])
-    return sorted(versions)
+        match = _STEP_FILE.match(path)
+        if match is not None and match.group(1) == _directory(kind):
+            found[int(match.group(2))] = path
+    return found
+
+
+def _directory(kind: str) -> str:
+    if kind not in ("anchor", "delta"):
+        raise ValueError(f"kind must be 'anchor' or 'delta', got {kind!r}")
+    return ANCHOR_DIR if kind == "anchor" else DELTA_DIR
 
 
 @dataclass(frozen=True)

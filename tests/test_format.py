@@ -237,3 +237,48 @@ def test_not_safetensors_and_foreign_safetensors_are_refused(tmp_path):
     save_file({"w": torch.zeros(2)}, str(foreign))
     with pytest.raises(FormatError, match="not a delta-sync file"):
         read_file(foreign)
+
+
+def test_anchor_closes_its_file_and_keeps_loaded_tensors(tmp_path, weights):
+    path = tmp_path / "anchor.safetensors"
+    write_anchor(path, weights, anchor_header(weights))
+    with read_file(path) as anchor:
+        anchor.verify()
+        norm = anchor.tensor("model.norm.weight")
+    with pytest.raises(ValueError, match="closed"):
+        anchor.tensor("model.norm.weight")
+    assert torch.equal(norm.view(torch.int16), weights["model.norm.weight"].view(torch.int16))
+    with read_file(tmp_path / "anchor.safetensors") as anchor:
+        pass
+    anchor.close()  # idempotent
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (dict(tensors={"model.norm.weight": torch.zeros(8, dtype=torch.bfloat16)}), "does not match its recorded"),
+        (dict(metadata={"model_checksum": "0" * 16}), "model checksum does not match"),
+        (dict(metadata={"payload_xxh3": "0" * 16}), "payload digest does not match"),
+    ],
+)
+def test_anchor_verify_refuses_damaged_contents(tmp_path, weights, damage, message):
+    from delta_sync.errors import IntegrityError
+
+    path = tmp_path / "anchor.safetensors"
+    write_anchor(path, weights, anchor_header(weights))
+    rewrite(path, **damage)
+    with read_file(path) as anchor:  # the structure is intact
+        with pytest.raises(IntegrityError, match=message) as info:
+            anchor.verify()
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("key", ["kind", "sparse", "shapes", "checksums", "model_version", "run_id", "payload_xxh3"])
+def test_a_missing_metadata_field_is_named(tmp_path, weights, key):
+    path = tmp_path / "anchor.safetensors"
+    write_anchor(path, weights, anchor_header(weights))
+    with safe_open(str(path), "pt") as handle:
+        metadata = {k: v for k, v in handle.metadata().items() if k != key}
+    save_file(load_file(str(path)), str(path), metadata=metadata)
+    with pytest.raises(FormatError, match=f"metadata field '{key}' is missing"):
+        read_file(path)

@@ -3,14 +3,22 @@
 Registered with vLLM under the backend name `delta`. Select it with
 `--weight-transfer-config '{"backend": "delta"}'`; the trainer then drives
 `/start_weight_update`, `/update_weights` with
-`{"update_info": {"bucket": URL, "filename": PATH}}` and `/finish_weight_update`.
+`{"update_info": {"bucket": URL, "filename": PATH}}` and `/finish_weight_update`
+(see `delta_sync.control`).
 
-The engine is thin: a `delta_sync.Receiver` downloads, verifies and applies each file to
-a local bf16 snapshot while the server keeps generating; only `finish_weight_update`
-touches the model, loading every changed tensor through vLLM's layerwise-reload
-lifecycle (the CPU backend repacks linear layers after loading, so a plain
-`load_weights` into them fails). A file that fails any check leaves both the snapshot
-and the served weights untouched.
+The engine only maps vLLM's session onto a `delta_sync.Receiver`'s lifecycle:
+
+| vLLM | receiver |
+| --- | --- |
+| `start_weight_update` | open a session |
+| `update_weights` (one or more) | `receiver.prepare(bucket, filename)`: download, verify, apply to the snapshot |
+| `finish_weight_update` | `pending.commit(load)`: load the changed tensors into the model |
+
+Downloads and checks run while the server keeps generating; only `finish_weight_update`
+touches the model, through vLLM's layerwise-reload lifecycle (the CPU backend repacks
+linear layers after loading, so a plain `load_weights` into them fails). A session is all
+or nothing: if any `update_weights` fails, the files of the whole session are undone
+and the model keeps serving what it served.
 
 This module imports nothing from TRL or transformers' training stack: the server runs in
 its own environment with vLLM's pins.
@@ -19,14 +27,14 @@ its own environment with vLLM's pins.
 from __future__ import annotations
 
 import glob
-import json
 import os
-import re
-import struct
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import InitVar, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors import safe_open
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -35,15 +43,14 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.logger import init_logger
 
 from delta_sync import Receiver
+from delta_sync.control import ALLOWED_BUCKETS_ENV, UpdateInfo
 from delta_sync.errors import DeltaSyncError
 
-__all__ = ["ALLOWED_BUCKETS_ENV", "DeltaInitInfo", "DeltaUpdateInfo", "DeltaWeightTransferEngine"]
+from .logs import route_delta_sync_logs
+
+__all__ = ["DeltaInitInfo", "DeltaUpdateInfo", "DeltaWeightTransferEngine"]
 
 logger = init_logger("vllm.delta_sync")
-
-#: Comma-separated bucket URLs (or local directories) the server may load weights from;
-#: `*` trusts any bucket. Unset, every update is refused.
-ALLOWED_BUCKETS_ENV = "DELTA_SYNC_ALLOWED_BUCKETS"
 
 
 @dataclass
@@ -53,7 +60,11 @@ class DeltaInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class DeltaUpdateInfo(WeightTransferUpdateInfo):
-    """The `update_info` of `/update_weights`.
+    """The `update_info` of `/update_weights`, as vLLM's typed update info.
+
+    Parsed and checked by `delta_sync.control.UpdateInfo`, the contract the trainer side
+    shares: `repo_id` is an alias of `bucket`, and a bare `namespace/name` is a Hugging
+    Face bucket.
 
     Args:
         bucket: Bucket URL (`file://...`, an absolute path, `hf://buckets/...`, `s3://...`),
@@ -65,25 +76,30 @@ class DeltaUpdateInfo(WeightTransferUpdateInfo):
 
     bucket: str | None = None
     filename: str | None = None
-    repo_id: str | None = None
+    repo_id: InitVar[str | None] = None
 
-    def __post_init__(self) -> None:
-        if self.bucket is None:
-            self.bucket = self.repo_id
-        elif self.repo_id is not None and self.repo_id != self.bucket:
-            raise ValueError(f"update_info names two buckets: bucket={self.bucket!r}, repo_id={self.repo_id!r}")
-        if not self.bucket:
-            raise ValueError("update_info needs 'bucket' (or its alias 'repo_id')")
-        if _HF_BUCKET_ID.fullmatch(self.bucket):
-            # A bare `namespace/name`, as the published TRL client sends: a Hugging Face bucket.
-            self.bucket = f"hf://buckets/{self.bucket}"
+    def __post_init__(self, repo_id: str | None) -> None:
+        info = UpdateInfo.from_dict({"bucket": self.bucket, "repo_id": repo_id, "filename": self.filename})
+        self.bucket, self.filename = info.bucket, info.filename
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DeltaUpdateInfo:
+        """Parse a request's `update_info` (see `delta_sync.control.UpdateInfo.from_dict`).
 
-_HF_BUCKET_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+        Raises:
+            ValueError: An unknown key, a missing or conflicting bucket, or a value of the
+                wrong type; the message names the field.
+        """
+        info = UpdateInfo.from_dict(data)
+        return cls(bucket=info.bucket, filename=info.filename)
 
 
 class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
-    """Applies delta-sync anchors and deltas inside a vLLM worker."""
+    """Applies delta-sync anchors and deltas inside a vLLM worker.
+
+    The receiver trusts only the buckets listed in `DELTA_SYNC_ALLOWED_BUCKETS` and checks
+    anchors against the served checkpoint's parameter names and shapes.
+    """
 
     init_info_cls = DeltaInitInfo
     update_info_cls = DeltaUpdateInfo
@@ -92,13 +108,17 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.receiver = Receiver(
-            load_weights=self._stage,
             expected_shapes=checkpoint_shapes(str(self.model_config.model)),
             allowed_buckets=allowed_buckets_from_env(),
         )
-        # Parameters whose new values sit in the snapshot but not yet in the model.
-        self._staged: set[str] = set()
         self._fused = fused_shards(model)
+        self._updating = False
+        route_delta_sync_logs()
+
+    @property
+    def updating(self) -> bool:
+        """A weight-update session is open (started, not yet finished or failed)."""
+        return self._updating
 
     # -- WeightTransferEngine ---------------------------------------------------------------
 
@@ -106,56 +126,80 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
         return None
 
     def start_weight_update(self) -> None:
-        # Downloads and checks run while the server keeps generating; the model is only
-        # touched in finish_weight_update.
-        return None
+        if self.receiver.pending is not None:
+            # Only if vLLM dropped a session without telling the engine: start clean.
+            logger.warning("delta-sync: discarding an update left open by an earlier session")
+            self.receiver.pending.abort()
+        self._updating = True
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> DeltaUpdateInfo:
+        return DeltaUpdateInfo.from_dict(update_dict)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        # The base class synchronizes an accelerator, which fails on CPU; nothing here is async.
-        self.receive_weights(self.parse_update_info(update_info))
+        # Not the base class's: it synchronizes an accelerator, which fails on CPU, and
+        # nothing here is asynchronous.
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException:
+            # vLLM ends the session when update_weights raises and never calls
+            # finish_weight_update for it, so the session's files are undone here.
+            self._abort_session()
+            raise
 
     def receive_weights(self, update_info: DeltaUpdateInfo) -> None:
+        applied_before = len(self.receiver.pending.applied) if self.receiver.pending else 0
         try:
-            result = self.receiver.update(update_info.bucket, update_info.filename)
+            pending = self.receiver.prepare(update_info.bucket, update_info.filename)
         except DeltaSyncError as exc:
             raise RuntimeError(f"delta-sync refused the update: {type(exc).__name__}: {exc}") from exc
-        if result.noop:
-            logger.info("delta-sync: already at version %s", result.version)
+        if len(pending.applied) == applied_before:
+            logger.info("delta-sync: already at version %s", pending.version)
         else:
             logger.info(
-                "delta-sync: now at version %s after %d file(s), %d changed elements, %.3f s",
-                result.version,
-                len(result.applied),
-                result.changed_elements,
-                result.seconds,
+                "delta-sync: prepared version %s from %d file(s); %d tensor(s) to load",
+                pending.version,
+                len(pending.applied) - applied_before,
+                len(pending.names),
             )
 
     def finish_weight_update(self) -> None:
-        if not self._staged:
+        pending, self._updating = self.receiver.pending, False
+        if pending is None:
             return
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-        names = self._with_fused_shards(self._staged)
-        weights = self.receiver.weights
-        initialize_layerwise_reload(self.model)
-        try:
-            self.model.load_weights((name, weights[name]) for name in sorted(names))
-        except BaseException as exc:
-            self.receiver.invalidate(f"loading {len(names)} tensor(s) into the model failed: {exc}")
-            raise
-        finally:
-            # Always leave the model runnable: a half-finished reload crashes the next request.
-            finalize_layerwise_reload(self.model, self.model_config)
-        self._staged.clear()
-        logger.info("delta-sync: loaded %d tensor(s); serving version %s", len(names), self.receiver.version)
+        result = pending.commit(self._load_into_model)
+        if not result.noop:
+            logger.info(
+                "delta-sync: loaded %d tensor(s) in %.3f s; serving version %s",
+                result.loaded_tensors,
+                result.seconds,
+                result.version,
+            )
 
     def shutdown(self) -> None:
         return None
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _stage(self, weights: list[tuple[str, Any]]) -> None:
-        self._staged.update(name for name, _ in weights)
+    def _abort_session(self) -> None:
+        pending, self._updating = self.receiver.pending, False
+        if pending is not None:
+            pending.abort()
+            logger.warning("delta-sync: update session aborted; still serving version %s", self.receiver.version)
+
+    def _load_into_model(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """The receiver's `load_weights`: through vLLM's layerwise reload, fused shards completed."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        tensors = dict(weights)
+        held = self.receiver.weights
+        for name in self._with_fused_shards(set(tensors)) - set(tensors):
+            tensors[name] = held[name]
+        initialize_layerwise_reload(self.model)
+        try:
+            self.model.load_weights((name, tensors[name]) for name in sorted(tensors))
+        finally:
+            # Always leave the model runnable: a half-finished reload crashes the next request.
+            finalize_layerwise_reload(self.model, self.model_config)
 
     def _with_fused_shards(self, names: set[str]) -> set[str]:
         """Add the sibling shards of fused modules: vLLM rebuilds a fused layer (qkv,
@@ -170,11 +214,6 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
                     if candidate in held:
                         complete.add(candidate)
         return complete
-
-    @property
-    def staged(self) -> frozenset[str]:
-        """Parameters applied to the snapshot but not yet loaded into the model."""
-        return frozenset(self._staged)
 
 
 def allowed_buckets_from_env() -> list[str] | None:
@@ -209,10 +248,8 @@ def checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]] | None:
             return None
     shapes: dict[str, tuple[int, ...]] = {}
     for path in sorted(glob.glob(str(directory / "*.safetensors"))):
-        with open(path, "rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(length))
-        shapes.update({name: tuple(entry["shape"]) for name, entry in header.items() if name != "__metadata__"})
+        with safe_open(path, framework="pt") as handle:
+            shapes.update({name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()})
     return shapes or None
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from delta_sync.control import ReplicaStatus
+
 from .engine import DeltaWeightTransferEngine
 
 __all__ = ["DeltaWorkerExtension"]
@@ -24,13 +26,15 @@ class DeltaWorkerExtension:
     """
 
     def delta_sync_status(self) -> dict[str, Any]:
-        """The version this worker serves and a checksum of its weights.
+        """The version this worker serves and a checksum of its weights
+        (`delta_sync.control.STATUS_METHOD`).
 
         Returns:
-            `version`, `anchor_version`, `run_id`, `model_checksum` (digest of the held bf16
-            weights, comparable with the trainer's `PublishReport.model_checksum` and
-            `latest.json`), and `pending` (parameters applied but not yet loaded, which
-            `/finish_weight_update` loads).
+            A `delta_sync.control.ReplicaStatus` as a dict: `version`, `anchor_version`,
+            `run_id`, `model_checksum` (digest of the held bf16 weights, comparable with the
+            trainer's `PublishReport.model_checksum` and `latest.json`), `pending`
+            (parameters applied but not yet loaded, which `/finish_weight_update` loads) and
+            `updating` (a weight-update session is open).
         """
         engine = getattr(self, "weight_transfer_engine", None)
         if not isinstance(engine, DeltaWeightTransferEngine):
@@ -39,10 +43,12 @@ class DeltaWorkerExtension:
                 '--weight-transfer-config \'{"backend": "delta"}\''
             )
         receiver = engine.receiver
-        return {
-            "version": receiver.version,
-            "anchor_version": receiver.anchor_version,
-            "run_id": receiver.run_id,
-            "model_checksum": receiver.model_checksum,
-            "pending": len(engine.staged),
-        }
+        pending = receiver.pending
+        return ReplicaStatus(
+            version=receiver.version,
+            anchor_version=receiver.anchor_version,
+            run_id=receiver.run_id,
+            model_checksum=receiver.model_checksum,
+            pending=len(pending.names) if pending is not None else 0,
+            updating=engine.updating,
+        ).to_dict()

@@ -1,8 +1,16 @@
 """`Receiver`: the replica side. Holds a bf16 snapshot and applies anchors and deltas to it.
 
-The receiver is framework-free: it hands the full tensors of every parameter a file
-changed to a `load_weights(list[tuple[name, tensor]])` callable, which can be vLLM's
-`model.load_weights`, or [`module_weight_loader`] for a plain `torch.nn.Module`.
+An update has the lifecycle of vLLM's weight-transfer engines (start, update, finish):
+
+1. [`Receiver.prepare`] downloads a file (or catches up to `latest.json`), checks it and
+   applies it to the snapshot, returning the open [`PendingUpdate`]; the model is not
+   touched, and further `prepare` calls extend the same update.
+2. [`PendingUpdate.commit`] hands every changed tensor to `load_weights` once, rolling the
+   snapshot back if that fails; [`PendingUpdate.abort`] undoes the snapshot changes instead.
+
+[`Receiver.update`] does both. The receiver is framework-free: `load_weights` takes
+`list[tuple[name, tensor]]` and can be vLLM's `model.load_weights`, or
+[`module_weight_loader`] for a plain `torch.nn.Module`.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..control import ALLOWED_BUCKETS_ENV
 from ..errors import (
     ApplyError,
     BaseVersionError,
@@ -27,15 +36,15 @@ from ..errors import (
     IntegrityError,
     UntrustedBucketError,
 )
-from ..format import Anchor, Delta, read_file
-from ..integrity import PayloadHasher, model_checksum, tensor_checksum, updated_checksum
+from ..format import Anchor, Delta, FileHeader, read_file
+from ..integrity import model_checksum, updated_checksum
 from ..layout import LATEST, Latest, anchor_path, delta_path, parse_step_path, step_versions
 from ..parallel import parallel_map
 from ..sparse import gather, scatter_
 from ..storage import Bucket, clean_path, open_bucket
 from ..storage.cache import DownloadCache
 
-__all__ = ["ApplyResult", "LoadWeights", "Receiver", "expected_shapes_of", "module_weight_loader"]
+__all__ = ["ApplyResult", "LoadWeights", "PendingUpdate", "Receiver", "expected_shapes_of", "module_weight_loader"]
 
 logger = logging.getLogger("delta_sync")
 
@@ -84,19 +93,172 @@ class ApplyResult:
         return not self.applied
 
 
+@dataclass
+class _DeltaUndo:
+    """What undoes one delta on the snapshot: O(changed elements).
+
+    Args:
+        previous: Parameter name -> (indices, values there before the delta).
+        checksums: Checksums of those parameters before the delta.
+        version: The version held before the delta.
+        anchor_version: The anchor version held before the delta.
+    """
+
+    previous: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    checksums: dict[str, int]
+    version: int | None
+    anchor_version: int | None
+
+
+class PendingUpdate:
+    """Files applied to a [`Receiver`]'s snapshot but not yet loaded into the model.
+
+    [`Receiver.prepare`] returns it; end it with exactly one call of [`commit`] (load the
+    changed tensors) or [`abort`] (undo the snapshot changes). While it is open the
+    receiver's `version`, `weights` and `checksums` already describe the prepared version,
+    and further `prepare` calls on the receiver extend this same update.
+
+    Undoing a delta costs O(changed elements): its old values are kept. An anchor replaces
+    every tensor and is not undone (that would take a second full copy of the model), so
+    aborting an update that holds an anchor leaves the receiver with no trustworthy
+    version: its next update loads an anchor.
+
+    Example:
+        ```python
+        >>> pending = receiver.prepare("./deltas", "deltas/step_00000007.safetensors")
+        >>> pending.version, len(pending.names)
+        (7, 12)
+        >>> pending.commit()  # or pending.abort()
+        ```
+    """
+
+    def __init__(self, receiver: Receiver) -> None:
+        self._receiver = receiver
+        self._names: set[str] = set()
+        self._applied: list[str] = []
+        self._changed_elements = 0
+        self._undo: list[_DeltaUndo] = []
+        self._anchored = False
+        self._state = "open"
+        self._started = time.perf_counter()
+
+    @property
+    def names(self) -> frozenset[str]:
+        """Parameters changed so far: what [`commit`] loads."""
+        return frozenset(self._names)
+
+    @property
+    def applied(self) -> tuple[str, ...]:
+        """Sources of the files applied so far, in order."""
+        return tuple(self._applied)
+
+    @property
+    def version(self) -> int | None:
+        """The version the snapshot holds now."""
+        return self._receiver.version
+
+    @property
+    def is_open(self) -> bool:
+        """Neither committed nor aborted yet."""
+        return self._state == "open"
+
+    def commit(self, load_weights: LoadWeights | None = None) -> ApplyResult:
+        """Hand every changed tensor to `load_weights`, in one call.
+
+        If loading fails, the snapshot goes back to where it was before the first
+        `prepare` and the old tensors are loaded again; if that fails too, or the update
+        held an anchor, the receiver's next update loads an anchor.
+
+        Args:
+            load_weights: Receives `[(name, full bf16 tensor), ...]`; the receiver's own
+                `load_weights` when None.
+
+        Returns:
+            What was applied; `seconds` counts from the first `prepare`.
+
+        Raises:
+            RuntimeError: The update was already committed or aborted.
+        """
+        receiver = self._receiver
+        with receiver._lock:
+            self._close("committed")
+            load = load_weights if load_weights is not None else receiver.load_weights
+            names = sorted(self._names)
+            try:
+                receiver._load(load, names)
+            except BaseException:
+                self._roll_back(load, names)
+                raise
+            seconds = time.perf_counter() - self._started
+            return ApplyResult(receiver.version, self.applied, self._changed_elements, len(names), seconds)
+
+    def abort(self) -> None:
+        """Undo every change to the snapshot; the model is not touched.
+
+        Raises:
+            RuntimeError: The update was already committed or aborted.
+        """
+        receiver = self._receiver
+        with receiver._lock:
+            self._close("aborted")
+            if self._anchored:
+                receiver._forget("an update holding an anchor was aborted before it was loaded")
+            else:
+                self._undo_deltas()
+
+    # -- used by the receiver -----------------------------------------------------------
+
+    def _record(self, source: str, names: Iterable[str], changed_elements: int, undo: _DeltaUndo | None) -> None:
+        """Note one file about to be applied; `undo` is None for an anchor."""
+        if undo is None:
+            # Nothing before an anchor can be restored once it overwrote every tensor.
+            self._anchored = True
+            self._undo.clear()
+        else:
+            self._undo.append(undo)
+        self._names.update(names)
+        self._applied.append(source)
+        self._changed_elements += changed_elements
+
+    def _close(self, state: str) -> None:
+        if self._state != "open":
+            raise RuntimeError(f"this pending update was already {self._state}")
+        self._state = state
+        self._receiver._pending = None
+
+    def _roll_back(self, load: LoadWeights | None, names: list[str]) -> None:
+        receiver = self._receiver
+        if self._anchored:
+            # The snapshot is right but the model may be half loaded: demand a fresh anchor.
+            receiver._distrust("loading an anchor into the model failed")
+            return
+        self._undo_deltas()
+        receiver._reload(load, names)
+
+    def _undo_deltas(self) -> None:
+        while self._undo:
+            self._receiver._restore(self._undo.pop())
+
+
 class Receiver:
     """Applies anchors and deltas to a local bf16 snapshot, all or nothing.
 
-    Before anything changes, every file is checked: its structure and payload digest,
-    that its parameters and shapes are the held ones, that a delta's base version and
-    base checksums are those held, and that the result reproduces the trainer's
-    per-parameter and model checksums (O(changed elements) for a delta). A file that fails
-    any check raises a [`DeltaSyncError`] subclass and leaves the snapshot and the model
-    untouched; after a base-checksum mismatch the next catch-up starts from an anchor.
+    An update follows the lifecycle of vLLM's weight-transfer engines: [`prepare`]
+    downloads files, checks them and applies them to the snapshot, returning a
+    [`PendingUpdate`]; its `commit` hands the changed tensors to `load_weights` (rolling the
+    snapshot back if that fails) and its `abort` undoes the snapshot changes. [`update`]
+    does both.
+
+    Before anything changes, every file is checked: [`read_file`] and `Anchor.verify`
+    decide that the file is intact; the receiver checks that its parameters and shapes are
+    the held ones, that a delta's base version and base checksums are those held, and that
+    the result reproduces the trainer's per-parameter and model checksums (O(changed
+    elements) for a delta). A file that fails any check raises a [`DeltaSyncError`] subclass
+    and changes nothing; after a checksum mismatch the next catch-up starts from an anchor.
 
     Args:
-        load_weights: Receives `[(name, full bf16 tensor), ...]` for every parameter a file
-            changed. None to keep the snapshot only.
+        load_weights: Receives `[(name, full bf16 tensor), ...]` for every parameter an
+            update changed. None to keep the snapshot only.
         expected_shapes: Parameter name -> shape the model expects. When given, anchors must
             hold exactly these parameters; otherwise the first anchor defines them.
         allowed_buckets: Bucket URL prefixes this receiver may load from; None allows any.
@@ -129,22 +291,124 @@ class Receiver:
         self.version: int | None = None
         self.anchor_version: int | None = None
         self.run_id: str | None = None
-        self._needs_anchor = False
+        # Why the next update must load an anchor (the model and the snapshot may differ), or None.
+        self._anchor_needed: str | None = None
+        self._pending: PendingUpdate | None = None
         self._lock = threading.RLock()
-
-    def invalidate(self, reason: str) -> None:
-        """Declare the model out of step with the snapshot (e.g. a load failed after a
-        successful apply): deltas are refused until the next catch-up loads an anchor."""
-        with self._lock:
-            logger.warning("delta-sync: %s; the next catch-up reloads an anchor", reason)
-            self._needs_anchor = True
 
     @property
     def model_checksum(self) -> str | None:
         """Digest of the held weights (see `delta_sync.integrity.model_checksum`), or None."""
         return model_checksum(self.checksums) if self.checksums else None
 
-    # -- bucket-level entry points ------------------------------------------------------
+    @property
+    def pending(self) -> PendingUpdate | None:
+        """The update prepared and not yet committed or aborted, if any."""
+        return self._pending
+
+    def invalidate(self, reason: str) -> None:
+        """Declare the model out of step with the snapshot: deltas are refused until the
+        next catch-up loads an anchor.
+
+        Args:
+            reason: What happened, for the log and for the error a refused delta raises.
+        """
+        with self._lock:
+            logger.warning("delta-sync: %s; the next catch-up reloads an anchor", reason)
+            self._distrust(reason)
+
+    # -- the lifecycle ----------------------------------------------------------------------
+
+    def prepare(self, bucket: Bucket | str | os.PathLike, filename: str | None = None) -> PendingUpdate:
+        """Download, check and apply to the snapshot one file from `bucket`, or catch up to
+        its `latest.json` when `filename` is None; load nothing into the model.
+
+        A catch-up applies the deltas from the held version when they chain, else the
+        newest anchor at or before `latest.json`'s version and the deltas after it. While
+        the returned update is open, further calls extend it (a vLLM session may send
+        several `/update_weights`); its `commit` loads the union of what they changed.
+
+        Args:
+            bucket: The bucket (or its URL) the trainer publishes to.
+            filename: Path of an anchor or delta inside the bucket.
+
+        Returns:
+            The open [`PendingUpdate`] (the same object until it is committed or aborted).
+
+        Raises:
+            DeltaSyncError: The bucket is not allowed, the path escapes it, a file is
+                missing or malformed, or it cannot be applied. The failing file changed
+                nothing; files applied before it (by earlier calls, or earlier in a
+                catch-up) stay in [`pending`] for the caller to commit or abort.
+
+        Example:
+            ```python
+            >>> pending = receiver.prepare("./deltas", "deltas/step_00000007.safetensors")
+            >>> pending = receiver.prepare("./deltas", "deltas/step_00000008.safetensors")
+            >>> [path.rsplit("/", 1)[-1] for path in pending.commit().applied]
+            ['step_00000007.safetensors', 'step_00000008.safetensors']
+            ```
+        """
+        opened = self.check_bucket(bucket)
+        path = None if filename is None else clean_path(filename)
+        with self._lock:
+            opened_here = self._pending is None
+            pending = self._open_pending() if opened_here else self._pending
+            try:
+                if path is None:
+                    self._catch_up(opened, pending)
+                else:
+                    self._prepare_path(opened, path, pending)
+            except BaseException:
+                if opened_here and not pending.applied:
+                    pending.abort()
+                raise
+            self._prune_cache(opened)
+            return pending
+
+    def update(self, bucket: Bucket | str | os.PathLike, filename: str | None = None) -> ApplyResult:
+        """Apply and load one file from `bucket`, or catch up to its `latest.json` when
+        `filename` is None: [`prepare`], then `commit`.
+
+        Args:
+            bucket: The bucket (or its URL) the trainer publishes to.
+            filename: Path of an anchor or delta inside the bucket.
+
+        Raises:
+            DeltaSyncError: The bucket is not allowed, the path escapes it, a file is
+                missing or malformed, or it cannot be applied. The failing file was not
+                applied; files a catch-up applied before it are loaded.
+            RuntimeError: An update prepared earlier is still open.
+        """
+        started = time.perf_counter()
+        with self._lock:
+            self._refuse_if_pending("update")
+            try:
+                pending = self.prepare(bucket, filename)
+            except BaseException:
+                self._load_what_was_prepared()
+                raise
+            result = pending.commit()
+        return dataclasses.replace(result, seconds=time.perf_counter() - started)
+
+    def apply(self, file: Anchor | Delta) -> ApplyResult:
+        """Apply and load an already read anchor or delta (see [`read_file`]).
+
+        Re-applying the version held, or an older one of the same run, is a no-op.
+
+        Raises:
+            DeltaSyncError: The file cannot be applied; nothing changed.
+            RuntimeError: An update prepared earlier is still open.
+        """
+        with self._lock:
+            self._refuse_if_pending("apply")
+            pending = self._open_pending()
+            try:
+                self._prepare_file(file, pending)
+            except BaseException:
+                pending.abort()
+                raise
+            return pending.commit()
 
     def check_bucket(self, bucket: Bucket | str | os.PathLike) -> Bucket:
         """Open `bucket`, refusing it unless it is on the allow list."""
@@ -154,7 +418,7 @@ class Receiver:
             if not self.allowed_buckets:
                 raise UntrustedBucketError(
                     f"bucket {opened.url} refused: this receiver trusts no bucket yet "
-                    "(for a vLLM server, set DELTA_SYNC_ALLOWED_BUCKETS)"
+                    f"(for a vLLM server, set {ALLOWED_BUCKETS_ENV})"
                 )
             if not any(url == allowed or url.startswith(allowed + "/") for allowed in self.allowed_buckets):
                 raise UntrustedBucketError(
@@ -162,40 +426,65 @@ class Receiver:
                 )
         return opened
 
-    def update(self, bucket: Bucket | str | os.PathLike, filename: str | None = None) -> ApplyResult:
-        """Apply one file from `bucket`, or catch up to its `latest.json` when `filename` is None.
+    def _open_pending(self) -> PendingUpdate:
+        self._pending = PendingUpdate(self)
+        return self._pending
 
-        Args:
-            bucket: The bucket (or its URL) the trainer publishes to.
-            filename: Path of an anchor or delta inside the bucket.
+    def _refuse_if_pending(self, method: str) -> None:
+        if self._pending is not None:
+            raise RuntimeError(f"an update prepared earlier is still open; commit or abort it before {method}()")
 
-        Raises:
-            DeltaSyncError: The bucket is not allowed, the path escapes it, the file is
-                missing or malformed, or it cannot be applied. Nothing was applied.
-        """
-        started = time.perf_counter()
-        opened = self.check_bucket(bucket)
-        if filename is None:
-            return self.catch_up(opened)
-        result = self._apply_path(opened, clean_path(filename))
-        self._prune_cache(opened)
-        return self._timed(result, started)
-
-    def catch_up(self, bucket: Bucket | str | os.PathLike) -> ApplyResult:
-        """Reach the version `latest.json` names: deltas from the held version when they
-        chain, else the newest anchor at or before it followed by the deltas after it.
-
-        A re-run after a file disappears under it (retention) starts over once.
-        """
-        started = time.perf_counter()
-        opened = self.check_bucket(bucket)
+    def _load_what_was_prepared(self) -> None:
+        """After a failed catch-up, load the files applied before the failure, as applying
+        them one at a time would have."""
+        if self._pending is None:
+            return
         try:
-            result = self._catch_up(opened)
+            self._pending.commit()
+        except Exception as exc:  # rolled back already; the original error is the one to raise
+            logger.error("delta-sync: loading the files applied before the failure failed too: %s", exc)
+
+    # -- finding the files --------------------------------------------------------------------
+
+    def _catch_up(self, bucket: Bucket, pending: PendingUpdate) -> None:
+        """Reach the version `latest.json` names; starts over once if a file disappears
+        under it (retention)."""
+        try:
+            self._catch_up_once(bucket, pending)
         except BucketFileNotFoundError as exc:
             logger.warning("delta-sync: %s; starting the catch-up over from latest.json", exc)
-            result = self._catch_up(opened)
-        self._prune_cache(opened)
-        return self._timed(result, started)
+            self._catch_up_once(bucket, pending)
+
+    def _catch_up_once(self, bucket: Bucket, pending: PendingUpdate) -> None:
+        latest = Latest.from_json(bucket.read_bytes(LATEST), source=f"{bucket.url}/{LATEST}")
+        if self._is_stale(latest.version, latest.run_id):
+            return
+        deltas = [v for v in step_versions(bucket.list("deltas"), "delta") if v <= latest.version]
+        if self.version is not None and self.run_id == latest.run_id and not self._anchor_needed:
+            try:
+                self._prepare_chain(bucket, [v for v in deltas if v > self.version], pending)
+            except (BaseVersionError, IntegrityError, FormatError) as exc:
+                logger.info("delta-sync: deltas do not lead from v%s to v%d (%s)", self.version, latest.version, exc)
+        if self.version != latest.version or self.run_id != latest.run_id:
+            anchors = [v for v in step_versions(bucket.list("anchors"), "anchor") if v <= latest.version]
+            if not anchors:
+                raise BucketFileNotFoundError(f"{bucket.url}: no anchor at or before version {latest.version}")
+            logger.info("delta-sync: catching up from anchor v%d", anchors[-1])
+            self._prepare_path(bucket, anchor_path(anchors[-1]), pending)
+            self._prepare_chain(bucket, [v for v in deltas if v > anchors[-1]], pending)
+        if self.version != latest.version:
+            raise ApplyError(
+                f"{bucket.url}: catch-up reached version {self.version}, but latest.json names {latest.version}"
+            )
+
+    def _prepare_chain(self, bucket: Bucket, versions: list[int], pending: PendingUpdate) -> None:
+        for version in versions:
+            self._prepare_path(bucket, delta_path(version), pending)
+
+    def _prepare_path(self, bucket: Bucket, path: str, pending: PendingUpdate) -> None:
+        local = self.cache.fetch(bucket, path)
+        with read_file(local, source=f"{bucket.url}/{path}") as file:
+            self._prepare_file(file, pending)
 
     def _prune_cache(self, bucket: Bucket) -> None:
         """Drop downloads no catch-up from the held version can use: anchors older than the
@@ -213,93 +502,49 @@ class Receiver:
 
         self.cache.prune(bucket, keep)
 
-    def _catch_up(self, bucket: Bucket) -> ApplyResult:
-        latest = Latest.from_json(bucket.read_bytes(LATEST), source=f"{bucket.url}/{LATEST}")
-        with self._lock:
-            if self._is_stale(latest.version, latest.run_id):
-                return ApplyResult(self.version, (), 0, 0, 0.0)
-            deltas = [v for v in step_versions(bucket.list("deltas"), "delta") if v <= latest.version]
-            results: list[ApplyResult] = []
-            if self.version is not None and self.run_id == latest.run_id and not self._needs_anchor:
-                try:
-                    results += self._apply_chain(bucket, [v for v in deltas if v > self.version])
-                except (BaseVersionError, IntegrityError, FormatError) as exc:
-                    logger.info(
-                        "delta-sync: deltas do not lead from v%s to v%d (%s)", self.version, latest.version, exc
-                    )
-            if self.version != latest.version or self.run_id != latest.run_id:
-                anchors = [v for v in step_versions(bucket.list("anchors"), "anchor") if v <= latest.version]
-                if not anchors:
-                    raise BucketFileNotFoundError(f"{bucket.url}: no anchor at or before version {latest.version}")
-                logger.info("delta-sync: catching up from anchor v%d", anchors[-1])
-                results.append(self._apply_path(bucket, anchor_path(anchors[-1])))
-                results += self._apply_chain(bucket, [v for v in deltas if v > anchors[-1]])
-            if self.version != latest.version:
-                raise ApplyError(
-                    f"{bucket.url}: catch-up reached version {self.version}, but latest.json names {latest.version}"
-                )
-            return ApplyResult(
-                version=self.version,
-                applied=tuple(source for r in results for source in r.applied),
-                changed_elements=sum(r.changed_elements for r in results),
-                loaded_tensors=sum(r.loaded_tensors for r in results),
-                seconds=0.0,
+    # -- one file: check, verify, apply to the snapshot ---------------------------------------
+
+    def _prepare_file(self, file: Anchor | Delta, pending: PendingUpdate) -> None:
+        try:
+            if isinstance(file, Delta):
+                self._prepare_delta(file, pending)
+            else:
+                self._prepare_anchor(file, pending)
+        except DeltaSyncError as exc:
+            logger.warning(
+                "delta-sync: refused %s: %s; still holding version %s", file.header.source, exc, self.version
             )
-
-    def _apply_chain(self, bucket: Bucket, versions: list[int]) -> list[ApplyResult]:
-        return [self._apply_path(bucket, delta_path(v)) for v in versions]
-
-    def _apply_path(self, bucket: Bucket, path: str) -> ApplyResult:
-        local = self.cache.fetch(bucket, path)
-        return self.apply(read_file(local, source=f"{bucket.url}/{path}"))
-
-    # -- file-level entry points --------------------------------------------------------
-
-    def apply_file(self, path: str | os.PathLike) -> ApplyResult:
-        """Read and apply a local anchor or delta file."""
-        started = time.perf_counter()
-        return self._timed(self.apply(read_file(path)), started)
-
-    def apply(self, file: Anchor | Delta) -> ApplyResult:
-        """Apply an already read anchor or delta (see [`read_file`]).
-
-        Re-applying the version held, or an older one of the same run, is a no-op.
-        """
-        with self._lock:
-            try:
-                if isinstance(file, Delta):
-                    return self._apply_delta(file)
-                return self._apply_anchor(file)
-            except DeltaSyncError as exc:
-                logger.warning(
-                    "delta-sync: refused %s: %s; still holding version %s", file.header.source, exc, self.version
-                )
-                raise
-
-    def _timed(self, result: ApplyResult, started: float) -> ApplyResult:
-        return dataclasses.replace(result, seconds=time.perf_counter() - started)
+            raise
 
     def _is_stale(self, version: int, run_id: str) -> bool:
-        return self.version is not None and run_id == self.run_id and version <= self.version and not self._needs_anchor
+        return (
+            self.version is not None and run_id == self.run_id and version <= self.version and not self._anchor_needed
+        )
 
-    def _apply_delta(self, delta: Delta) -> ApplyResult:
-        header = delta.header
+    def _prepare_delta(self, delta: Delta, pending: PendingUpdate) -> None:
+        if self._is_stale(delta.header.version, delta.header.run_id):
+            return
+        self._check_delta_base(delta.header)
+        self._check_delta_tensors(delta)
+        old_values, new_checksums = self._verify_delta(delta)
+        self._apply_delta(delta, old_values, new_checksums, pending)
+
+    def _check_delta_base(self, header: FileHeader) -> None:
+        """The delta continues the held weights: same run, trusted, made against the held version."""
         source = header.source
-        if self._is_stale(header.version, header.run_id):
-            return ApplyResult(self.version, (), 0, 0, 0.0)
         if self.version is None:
             raise BaseVersionError(
-                f"{source}: holds no weights yet; load an anchor before a delta", held=None, base=header.base_version
+                f"{source}: {self._anchor_needed or 'holds no weights yet'}; load an anchor before a delta",
+                held=None,
+                base=header.base_version,
             )
         if header.run_id != self.run_id:
             raise ApplyError(
                 f"{source}: belongs to run {header.run_id}, but the held weights are from run {self.run_id}"
             )
-        if self._needs_anchor:
+        if self._anchor_needed:
             raise BaseVersionError(
-                f"{source}: the held weights failed an integrity check; load an anchor first",
-                held=self.version,
-                base=header.base_version,
+                f"{source}: {self._anchor_needed}; load an anchor first", held=self.version, base=header.base_version
             )
         if header.base_version != self.version:
             raise BaseVersionError(
@@ -307,19 +552,32 @@ class Receiver:
                 held=self.version,
                 base=header.base_version,
             )
+
+    def _check_delta_tensors(self, delta: Delta) -> None:
+        """Every parameter the delta changes is held, with its shape and the base checksum."""
+        header = delta.header
         for name in delta.changes:
             held = self.weights.get(name)
             if held is None:
-                raise ApplyError(f"{source}: unknown parameter {name!r}")
+                raise ApplyError(f"{header.source}: unknown parameter {name!r}")
             if tuple(held.shape) != header.shapes[name]:
                 raise ApplyError(
-                    f"{source}: parameter {name!r} has shape {list(header.shapes[name])}, held shape is {list(held.shape)}"
+                    f"{header.source}: parameter {name!r} has shape {list(header.shapes[name])}, "
+                    f"held shape is {list(held.shape)}"
                 )
             if header.base_checksums[name] != self.checksums[name]:
-                self._needs_anchor = True
+                self._distrust(_INTEGRITY_FAILED)
                 raise IntegrityError(
-                    f"{source}: the held weights of {name!r} differ from those the delta was made against"
+                    f"{header.source}: the held weights of {name!r} differ from those the delta was made against"
                 )
+
+    def _verify_delta(self, delta: Delta) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        """Checksums after the delta, in O(changed elements), against the trainer's.
+
+        Returns:
+            The values the delta overwrites and the new checksums, per parameter.
+        """
+        header = delta.header
 
         def verify(name: str) -> tuple[torch.Tensor, int]:
             change = delta.changes[name]
@@ -328,63 +586,66 @@ class Receiver:
 
         names = sorted(delta.changes)
         verified = dict(zip(names, parallel_map(verify, names)))
-        previous = {name: old for name, (old, _) in verified.items()}
+        old_values = {name: old for name, (old, _) in verified.items()}
         new_checksums = {name: checksum for name, (_, checksum) in verified.items()}
         for name in names:
             if new_checksums[name] != header.checksums[name]:
                 # The file passed its payload digest, so the held weights are what differ.
-                self._needs_anchor = True
-                raise IntegrityError(f"{source}: applying {name!r} would not reproduce the trainer's weights")
+                self._distrust(_INTEGRITY_FAILED)
+                raise IntegrityError(f"{header.source}: applying {name!r} would not reproduce the trainer's weights")
         if model_checksum({**self.checksums, **new_checksums}) != header.model_checksum:
-            self._needs_anchor = True
-            raise IntegrityError(f"{source}: the resulting model checksum differs from the trainer's")
+            self._distrust(_INTEGRITY_FAILED)
+            raise IntegrityError(f"{header.source}: the resulting model checksum differs from the trainer's")
+        return old_values, new_checksums
 
+    def _apply_delta(
+        self,
+        delta: Delta,
+        old_values: dict[str, torch.Tensor],
+        new_checksums: dict[str, int],
+        pending: PendingUpdate,
+    ) -> None:
+        header = delta.header
+        undo = _DeltaUndo(
+            previous={name: (change.indices, old_values[name]) for name, change in delta.changes.items()},
+            checksums={name: self.checksums[name] for name in delta.changes},
+            version=self.version,
+            anchor_version=self.anchor_version,
+        )
+        pending._record(header.source, delta.changes, header.changed_elements, undo)
         for name, change in delta.changes.items():
             scatter_(self.weights[name], change.indices, change.values)
-        old_state = (dict(self.checksums), self.version, self.anchor_version)
         self.checksums.update(new_checksums)
         self.version, self.anchor_version = header.version, header.anchor_version
-        try:
-            self._load(sorted(delta.changes))
-        except BaseException:
-            for name, change in delta.changes.items():
-                scatter_(self.weights[name], change.indices, previous[name])
-            self.checksums, self.version, self.anchor_version = old_state
-            self._reload_after_failure(sorted(delta.changes))
-            raise
-        return ApplyResult(self.version, (source,), header.changed_elements, len(delta.changes), 0.0)
 
-    def _apply_anchor(self, anchor: Anchor) -> ApplyResult:
-        header = anchor.header
-        source = header.source
-        if self._is_stale(header.version, header.run_id):
-            return ApplyResult(self.version, (), 0, 0, 0.0)
+    def _prepare_anchor(self, anchor: Anchor, pending: PendingUpdate) -> None:
+        if self._is_stale(anchor.header.version, anchor.header.run_id):
+            return
+        self._check_anchor(anchor.header)
+        anchor.verify()
+        self._apply_anchor(anchor, pending)
+
+    def _check_anchor(self, header: FileHeader) -> None:
+        """The anchor holds exactly the expected parameters, with the expected shapes."""
         expected = self.expected_shapes or ({n: tuple(t.shape) for n, t in self.weights.items()} or None)
-        if expected is not None:
-            unknown = sorted(set(header.shapes) - set(expected))
-            missing = sorted(set(expected) - set(header.shapes))
-            if unknown:
-                raise ApplyError(f"{source}: unknown parameter(s) {unknown[:5]}")
-            if missing:
-                raise ApplyError(f"{source}: lacks parameter(s) {missing[:5]}")
-            for name, shape in header.shapes.items():
-                if shape != expected[name]:
-                    raise ApplyError(
-                        f"{source}: parameter {name!r} has shape {list(shape)}, expected {list(expected[name])}"
-                    )
-        # Verify before touching anything, reading one tensor per core at a time.
-        names = header.names
-        for name, checksum in zip(names, parallel_map(lambda n: tensor_checksum(anchor.tensor(n)), names)):
-            if checksum != header.checksums[name]:
-                raise IntegrityError(f"{source}: parameter {name!r} does not match its recorded checksum")
-        hasher = PayloadHasher()
-        for name, tensor in anchor.items():
-            hasher.update(name, tensor)
-        if hasher.hexdigest() != header.payload_digest:
-            raise IntegrityError(f"{source}: payload digest does not match; the file is damaged")
-        if model_checksum(header.checksums) != header.model_checksum:
-            raise IntegrityError(f"{source}: model checksum does not match the per-parameter checksums")
-        # Commit, copying into the held tensors so memory stays at one snapshot.
+        if expected is None:
+            return
+        unknown = sorted(set(header.shapes) - set(expected))
+        missing = sorted(set(expected) - set(header.shapes))
+        if unknown:
+            raise ApplyError(f"{header.source}: unknown parameter(s) {unknown[:5]}")
+        if missing:
+            raise ApplyError(f"{header.source}: lacks parameter(s) {missing[:5]}")
+        for name, shape in header.shapes.items():
+            if shape != expected[name]:
+                raise ApplyError(
+                    f"{header.source}: parameter {name!r} has shape {list(shape)}, expected {list(expected[name])}"
+                )
+
+    def _apply_anchor(self, anchor: Anchor, pending: PendingUpdate) -> None:
+        header = anchor.header
+        pending._record(header.source, header.names, header.changed_elements, None)
+        # Copy into the held tensors so memory stays at one snapshot.
         for name, tensor in anchor.items():
             held = self.weights.get(name)
             if held is None:
@@ -393,25 +654,39 @@ class Receiver:
                 held.copy_(tensor)
         self.checksums = dict(header.checksums)
         self.version, self.anchor_version, self.run_id = header.version, header.version, header.run_id
-        self._needs_anchor = False
-        try:
-            self._load(sorted(self.weights))
-        except BaseException:
-            # The snapshot is right but the model may be half loaded: demand a fresh anchor.
-            self._needs_anchor = True
-            raise
-        return ApplyResult(self.version, (source,), header.changed_elements, len(self.weights), 0.0)
+        self._anchor_needed = None
 
-    def _load(self, names: list[str]) -> None:
-        if self.load_weights is not None and names:
-            self.load_weights([(name, self.weights[name]) for name in names])
+    # -- loading and undoing (for PendingUpdate) ----------------------------------------------
 
-    def _reload_after_failure(self, names: list[str]) -> None:
+    def _load(self, load: LoadWeights | None, names: list[str]) -> None:
+        if load is not None and names:
+            load([(name, self.weights[name]) for name in names])
+
+    def _reload(self, load: LoadWeights | None, names: list[str]) -> None:
+        """Load the restored tensors after a failed load."""
         try:
-            self._load(names)
+            self._load(load, names)
         except BaseException as exc:  # the model is now in an unknown state
-            self._needs_anchor = True
+            self._distrust("restoring the model after a failed load failed")
             logger.error("delta-sync: restoring the model after a failed load also failed: %s", exc)
+
+    def _restore(self, undo: _DeltaUndo) -> None:
+        for name, (indices, values) in undo.previous.items():
+            scatter_(self.weights[name], indices, values)
+        self.checksums.update(undo.checksums)
+        self.version, self.anchor_version = undo.version, undo.anchor_version
+
+    def _forget(self, reason: str) -> None:
+        """Hold no version: the snapshot no longer matches the model nor any version."""
+        self.checksums = {}
+        self.version = self.anchor_version = self.run_id = None
+        self._distrust(reason)
+
+    def _distrust(self, reason: str) -> None:
+        self._anchor_needed = reason
+
+
+_INTEGRITY_FAILED = "the held weights failed an integrity check"
 
 
 def _normalise_url(url: str) -> str:

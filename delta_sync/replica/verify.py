@@ -122,17 +122,18 @@ def _compare_anchor(report: VerifyReport, receiver: Receiver, bucket: Bucket, ve
     except DeltaSyncError as exc:
         report.add(path, False, str(exc))
         return
-    assert isinstance(anchor, Anchor)
-    if receiver.version != version or receiver.run_id != anchor.header.run_id:
-        # The chain broke before this anchor (e.g. a failed upload); it restarts here.
-        _check(report, receiver, bucket, path, "anchor restarts the chain")
-        return
-    differing = [
-        name
-        for name, tensor in anchor.items()
-        if name not in receiver.weights
-        or not torch.equal(tensor.view(torch.int16), receiver.weights[name].view(torch.int16))
-    ]
+    with anchor:
+        assert isinstance(anchor, Anchor)
+        if receiver.version != version or receiver.run_id != anchor.header.run_id:
+            # The chain broke before this anchor (e.g. a failed upload); it restarts here.
+            _check(report, receiver, bucket, path, "anchor restarts the chain")
+            return
+        differing = [
+            name
+            for name, tensor in anchor.items()
+            if name not in receiver.weights
+            or not torch.equal(tensor.view(torch.int16), receiver.weights[name].view(torch.int16))
+        ]
     if differing or set(anchor.header.names) != set(receiver.weights):
         report.add(path, False, f"differs from the replayed state in {differing[:5] or 'its parameter set'}")
     else:

@@ -13,6 +13,7 @@ from . import trl_vllm
 from .detector import BF16ChangeDetector
 from .publisher import Publisher, PublishReport
 from .replicas import ReplicaSet
+from .sharding import verify_across_ranks
 
 if TYPE_CHECKING:
     from trl.generation.vllm_generation import VLLMGeneration
@@ -169,13 +170,19 @@ class DeltaSyncCallback(TrainerCallback):
                     "DeltaSyncCallback could not take over TRL's vLLM weight sync; pass the callback "
                     "when constructing the trainer (callbacks=[...]), not with add_callback()"
                 )
-        if not state.is_world_process_zero:
-            return
         model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
         if model is None or optimizer is None:
             raise RuntimeError("DeltaSyncCallback needs the model and optimizer at train begin")
         config = self.config
+        # Every rank decides the layout (refusing any that cannot be published exactly) and
+        # checks it against the others before anything is written.
         self.detector = BF16ChangeDetector(model, optimizer, snapshot_device=config.snapshot_device)
+        verify_across_ranks(self.detector.layout, self.detector.named_parameters())
+        if not (self.detector.layout.sharded or state.is_world_process_zero):
+            # Whole parameters (DDP, ZeRO-1/2): rank 0 publishes them alone.
+            self.detector.close()
+            self.detector = None
+            return
         self.publisher = Publisher(
             config.bucket,
             self.detector,
@@ -187,6 +194,8 @@ class DeltaSyncCallback(TrainerCallback):
             overwrite=config.overwrite,
             on_published=[self._announce],
         )
+        if not state.is_world_process_zero:
+            return  # rank 0 alone drives the replicas
         urls = config.vllm_urls
         if not urls and self._vllm_generation is not None:
             urls = [self._vllm_generation.vllm_client.base_url]
@@ -208,6 +217,8 @@ class DeltaSyncCallback(TrainerCallback):
         )
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        if self.detector is not None and not self.detector.hooked:
+            self.detector.record_step()  # DeepSpeed's optimizer cannot be hooked
         if self.publisher is not None and state.global_step % self.config.sync_every == 0:
             self._publish(state.global_step)
 
@@ -236,8 +247,8 @@ class DeltaSyncCallback(TrainerCallback):
             if self.replicas is not None and self.publisher.last_version is not None:
                 self._wait_for_replicas(self.publisher.last_version)
         finally:
-            assert self.detector is not None
-            self.detector.close()
+            if self.detector is not None:
+                self.detector.close()
             if self.replicas is not None:
                 self.replicas.close()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from torch import nn
 from ..format import SparseChange, index_dtype
 from ..parallel import parallel_map
 from ..sparse import changed_positions, gather, scatter_
+from .sharding import ModelLayout, describe_model, local_tensor
 
 __all__ = ["BF16ChangeDetector", "ChangeSet", "canonical_name", "inner_optimizer"]
 
@@ -33,20 +35,26 @@ def canonical_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
 
 
-def inner_optimizer(optimizer: object) -> torch.optim.Optimizer:
+def inner_optimizer(optimizer: object) -> torch.optim.Optimizer | None:
     """The real `torch.optim.Optimizer` behind wrappers such as Accelerate's `AcceleratedOptimizer`.
 
     Step hooks must go on the real optimizer: Accelerate's wrapper subclasses
     `torch.optim.Optimizer` but never initialises its hook tables.
+
+    Returns:
+        The innermost optimizer, or None for DeepSpeed: its ZeRO optimizer steps flattened
+        partitions, not the model's parameters, so its steps cannot be hooked per parameter
+        and changes are found by comparing every parameter at sync time instead.
     """
-    for _ in range(8):
-        inner = getattr(optimizer, "optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer):
-            break
-        optimizer = inner
-    if not isinstance(optimizer, torch.optim.Optimizer):
+    chain = [optimizer]
+    while len(chain) < 8 and getattr(chain[-1], "optimizer", None) is not None:
+        chain.append(chain[-1].optimizer)
+    if any(type(link).__module__.split(".")[0] == "deepspeed" for link in chain):
+        return None
+    optimizers = [link for link in chain if isinstance(link, torch.optim.Optimizer)]
+    if not optimizers:
         raise TypeError(f"{type(optimizer).__name__} is not a torch.optim.Optimizer and wraps none")
-    return optimizer
+    return optimizers[-1]
 
 
 @dataclass
@@ -81,22 +89,34 @@ class ChangeSet:
 class BF16ChangeDetector:
     """Tracks the bf16 bit patterns of a model's parameters across optimizer steps.
 
-    The detector keeps one bf16 snapshot of every parameter: the state last handed out
-    by [`changes`] (or the state at construction). A pre-step hook on the optimizer
-    records which parameters the step may touch (those with a gradient), a post-step
-    hook counts real steps. [`changes`] then compares the current bf16 bit patterns of
-    the touched parameters with the snapshot, so changes accumulate over any number of
-    steps between two calls (gradient accumulation, syncing every k steps), skipped steps
-    (no hook fires) cost nothing, and nothing is missed. Parameters stored in fp32 are
-    compared through their bf16 rounding (`param.to(torch.bfloat16)`).
+    The detector keeps one bf16 snapshot of every parameter this rank publishes: the state
+    last handed out by [`changes`] (or the state at construction). A pre-step hook on the
+    optimizer records which parameters the step may touch (those with a gradient), a
+    post-step hook counts real steps. [`changes`] then compares the current bf16 bit
+    patterns of the touched parameters with the snapshot, so changes accumulate over any
+    number of steps between two calls (gradient accumulation, syncing every k steps),
+    skipped steps (no hook fires) cost nothing, and nothing is missed. Parameters stored in
+    fp32 are compared through their bf16 rounding (`param.to(torch.bfloat16)`).
 
-    Memory: the snapshot (2 bytes per parameter) plus, while [`changes`] runs, one
-    parameter's mask and bf16 copy at a time.
+    Sharded parameters (FSDP2 `DTensor`s) are compared on this rank's shard only, and the
+    positions reported are those of the full checkpoint tensor (see
+    `delta_sync.trainer.sharding`); nothing is ever gathered. DeepSpeed's optimizers cannot
+    be hooked per parameter: with them every parameter is compared at each [`changes`]
+    call and the caller counts steps with [`record_step`].
+
+    Memory: the snapshot (2 bytes per element this rank holds) plus, while [`changes`]
+    runs, one parameter's mask and bf16 copy at a time.
 
     Args:
-        model: The model being trained (any wrapper: DDP, Accelerate, torch.compile).
+        model: The model being trained (any wrapper: DDP, Accelerate, torch.compile, FSDP2).
         optimizer: Its optimizer, or a wrapper of it (e.g. Accelerate's `AcceleratedOptimizer`).
         snapshot_device: Where to keep the snapshot; defaults to each parameter's device.
+        layout: How the parameters are spread over ranks; by default
+            [`describe_model`] of `model` (which refuses layouts that cannot be published).
+
+    Raises:
+        UnsupportedLayoutError: The model's layout cannot be published exactly (FSDP1,
+            DeepSpeed ZeRO-3, unsupported `DTensor` placements, ...).
 
     Example:
         ```python
@@ -115,23 +135,37 @@ class BF16ChangeDetector:
         optimizer: object,
         *,
         snapshot_device: torch.device | str | None = None,
+        layout: ModelLayout | None = None,
     ) -> None:
         self.model = model
         self.optimizer = inner_optimizer(optimizer)
         self._snapshot_device = None if snapshot_device is None else torch.device(snapshot_device)
         self._params: dict[str, nn.Parameter] = {}
         self._names: dict[int, str] = {}
-        self._index_names(strict=True)
-        self._snapshot = {name: self._bf16_copy(param) for name, param in self._params.items()}
+        self._index_names(strict=self.optimizer is not None)
+        self.layout = layout or describe_model(self._params.items(), model)
+        self._shards = self.layout.shards
+        self._snapshot = {name: self._bf16_copy(self._params[name]) for name in self._shards}
         self._touched: set[str] = set()
         self._steps = 0
         #: Held while the snapshot is read or written; a background anchor writer holds it
         #: so the next `changes()` waits instead of mutating tensors being serialized.
         self.snapshot_lock = threading.Lock()
-        self._hooks = [
-            self.optimizer.register_step_pre_hook(self._before_step),
-            self.optimizer.register_step_post_hook(self._after_step),
-        ]
+        self._hooks = []
+        if self.optimizer is not None:
+            self._hooks = [
+                self.optimizer.register_step_pre_hook(self._before_step),
+                self.optimizer.register_step_post_hook(self._after_step),
+            ]
+
+    def named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
+        """`(checkpoint name, parameter)` for every parameter of the model."""
+        return self._params.items()
+
+    @property
+    def hooked(self) -> bool:
+        """Whether optimizer steps are hooked (False for DeepSpeed: see [`record_step`])."""
+        return self.optimizer is not None
 
     # -- names -------------------------------------------------------------------------
 
@@ -156,35 +190,44 @@ class BF16ChangeDetector:
         for group in self.optimizer.param_groups:
             yield from group["params"]
 
-    def _name_of(self, param: torch.Tensor) -> str:
+    def _name_of(self, param: torch.Tensor) -> str | None:
+        """Checkpoint name of a parameter this rank tracks, None for one another rank publishes."""
         name = self._names.get(id(param))
         if name is None:
             # A parameter group added after construction: look the model up again.
             self._index_names(strict=True)
             name = self._names[id(param)]
-            if name not in self._snapshot:
-                self._snapshot[name] = self._bf16_copy(param)
-        return name
+        return name if name in self._snapshot else None
 
     # -- hooks -------------------------------------------------------------------------
 
     def _before_step(self, optimizer, args, kwargs) -> None:
         for param in self._optimizer_params():
-            if param.grad is not None:
-                self._touched.add(self._name_of(param))
+            if param.grad is not None and (name := self._name_of(param)) is not None:
+                self._touched.add(name)
 
     def _after_step(self, optimizer, args, kwargs) -> None:
+        self._steps += 1
+
+    def record_step(self) -> None:
+        """Count an optimizer step taken by an optimizer that cannot be hooked (DeepSpeed).
+
+        Every tracked parameter is then compared at the next [`changes`] call.
+        """
+        if self.hooked:
+            raise RuntimeError("record_step is for optimizers without hooks; this detector counts steps itself")
+        self._touched.update(self._snapshot)
         self._steps += 1
 
     # -- snapshot ----------------------------------------------------------------------
 
     def _bf16_copy(self, param: torch.Tensor) -> torch.Tensor:
-        device = self._snapshot_device or param.device
-        return param.detach().to(device=device, dtype=torch.bfloat16, copy=True)
+        data = local_tensor(param).detach()
+        return data.to(device=self._snapshot_device or data.device, dtype=torch.bfloat16, copy=True)
 
     def _current_bf16(self, name: str) -> torch.Tensor:
         snap = self._snapshot[name]
-        return self._params[name].detach().to(device=snap.device, dtype=torch.bfloat16)
+        return local_tensor(self._params[name]).detach().to(device=snap.device, dtype=torch.bfloat16)
 
     @property
     def steps_pending(self) -> int:
@@ -193,7 +236,8 @@ class BF16ChangeDetector:
 
     @property
     def snapshot(self) -> Mapping[str, torch.Tensor]:
-        """The bf16 state as of the last [`changes`] call (read-only by convention).
+        """The bf16 state as of the last [`changes`] call: this rank's block of each parameter
+        it publishes (the whole tensor unless sharded). Read-only by convention.
 
         Hold [`snapshot_lock`] while reading it from another thread.
         """
@@ -201,18 +245,19 @@ class BF16ChangeDetector:
 
     @property
     def total_elements(self) -> int:
-        return sum(t.numel() for t in self._snapshot.values())
+        """Elements of the whole model, all ranks together."""
+        return self.layout.total_elements
 
     def mark_changed(self, names: Iterable[str] | None = None) -> None:
         """Compare these parameters (default: all) at the next [`changes`] call even if no
         optimizer step touched them, e.g. after editing weights by hand."""
-        self._touched.update(self._snapshot if names is None else names)
+        self._touched.update(self._snapshot if names is None else (n for n in names if n in self._snapshot))
 
     def masks(self) -> dict[str, torch.Tensor]:
         """Boolean masks `bf16(now) != snapshot`, bitwise, for the parameters steps touched.
 
         Does not advance the snapshot. Parameters no step touched are absent (their mask is
-        all false).
+        all false). Masks have the shape of this rank's block.
         """
         with self.snapshot_lock:
             return {
@@ -224,8 +269,8 @@ class BF16ChangeDetector:
         """Extract every bf16 element that changed since the last call and advance the snapshot.
 
         Returns:
-            A [`ChangeSet`] with CPU indices (int32, or int64 for parameters of 2^31 or more
-            elements), new values and old values.
+            A [`ChangeSet`] with CPU indices into the full checkpoint tensors (int32, or
+            int64 for parameters of 2^31 or more elements), new values and old values.
         """
         with self.snapshot_lock:
             names = sorted(self._touched)
@@ -237,7 +282,7 @@ class BF16ChangeDetector:
                 old_values=old_values,
                 steps=self._steps,
                 total_elements=self.total_elements,
-                shapes={name: tuple(t.shape) for name, t in self._snapshot.items()},
+                shapes=dict(self.layout.shapes),
             )
             self._touched.clear()
             self._steps = 0
@@ -247,13 +292,15 @@ class BF16ChangeDetector:
         """Changed elements of one parameter; advances its snapshot."""
         snap = self._snapshot[name]
         current = self._current_bf16(name)
-        indices = changed_positions(current, snap)
-        if indices.numel() == 0:
+        local = changed_positions(current, snap)
+        if local.numel() == 0:
             return None, None
-        values = gather(current, indices)
-        old = gather(snap, indices).cpu()
-        scatter_(snap, indices, values)
-        change = SparseChange(indices=indices.to(device="cpu", dtype=index_dtype(snap.numel())), values=values.cpu())
+        values = gather(current, local)
+        old = gather(snap, local).cpu()
+        scatter_(snap, local, values)
+        shard = self._shards[name]
+        indices = shard.global_indices(local.cpu())
+        change = SparseChange(indices=indices.to(index_dtype(math.prod(shard.global_shape))), values=values.cpu())
         return change, old
 
     def close(self) -> None:

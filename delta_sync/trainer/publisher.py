@@ -14,13 +14,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import DeltaSyncError, PublishError
+import torch
+
+from ..errors import DeltaSyncError, PublishError, UnsupportedLayoutError
 from ..format import FileHeader, write_anchor, write_delta
-from ..integrity import model_checksum, tensor_checksum, updated_checksum
-from ..layout import LATEST, Latest, anchor_path, delta_path, parse_step_path, step_versions
+from ..integrity import add_checksums, model_checksum, tensor_checksum, updated_checksum
+from ..layout import LATEST, Latest, anchor_path, delta_path, manifest_path, parse_step_path, part_path, step_versions
+from ..manifest import Manifest, PartRecord
 from ..parallel import parallel_map
 from ..storage import Bucket, open_bucket
 from .detector import BF16ChangeDetector, ChangeSet
+from .ranks import RankGroup
 
 __all__ = ["PublishReport", "Publisher"]
 
@@ -79,6 +83,26 @@ class _Job:
     holds_snapshot_lock: bool
 
 
+@dataclass(frozen=True)
+class _Stored:
+    """A file this rank stored for a version: a single file, or this rank's part."""
+
+    path: str
+    bytes: int
+    payload_digest: str
+
+
+@dataclass
+class _RankResult:
+    """What one rank tells the others about a version it stored (never weights)."""
+
+    error: str | None = None
+    delta: _Stored | None = None
+    anchor: _Stored | None = None
+    changed: dict[str, int] | None = None  # parameter -> elements changed on this rank
+    checksums: dict[str, int] | None = None  # this rank's share of each parameter's checksum
+
+
 class Publisher:
     """Writes every version of a model's weights to a bucket as an anchor or a delta.
 
@@ -96,6 +120,13 @@ class Publisher:
     behind a failed one are dropped, and the next version published after the error
     is written as an anchor so replicas can recover.
 
+    With a sharded model (FSDP2: the detector's layout is sharded) every rank builds a
+    Publisher at the same point and calls [`publish`], [`flush`] and [`close`] in step:
+    each rank writes its own part of every version straight to the bucket, then rank 0
+    writes the version's manifest and moves `latest.json` (see `delta_sync.manifest`). The
+    ranks exchange only part names, digests, counts and checksums. A failure on any rank
+    fails the version on every rank.
+
     Args:
         bucket: Where to write: a [`Bucket`] or a URL (`./dir`, `file://...`, `hf://buckets/...`,
             `s3://...`).
@@ -105,7 +136,8 @@ class Publisher:
             oldest kept anchor are deleted.
         background: Encode and upload on a worker thread.
         max_pending: Versions that may wait for the worker before `publish` blocks.
-        run_id: Identifier of this training run, recorded in every file; random by default.
+        run_id: Identifier of this training run, recorded in every file; random by default
+            (rank 0's, with a sharded model).
         on_published: Called (on the worker thread) with each [`PublishReport`] after its
             files and `latest.json` are stored.
         overwrite: If the bucket prefix already holds another run's files, delete them
@@ -144,13 +176,19 @@ class Publisher:
         self.detector = detector
         self.anchor_every = anchor_every
         self.keep_anchors = keep_anchors
-        self.run_id = run_id or uuid.uuid4().hex[:12]
         self.on_published = list(on_published)
+        self.layout = detector.layout
+        #: Whether versions are written as one part per rank plus a manifest.
+        self.parted = self.layout.sharded
+        self._ranks = RankGroup(self.layout.world_size if self.parted else 1)
+        self.rank = self._ranks.rank
+        self.run_id = run_id or uuid.uuid4().hex[:12]
         self._resumed_files: list[str] = []
-        self._claim_prefix(overwrite)
+        self._join_prefix(overwrite)
         self._staging = Path(tempfile.mkdtemp(prefix="delta-sync-staging-"))
         # Worker-side state: touched only by whichever thread runs jobs, one at a time.
-        self._checksums: dict[str, int] = {}
+        self._checksums: dict[str, int] = {}  # this rank's share, per parameter it publishes
+        self._model_checksums: dict[str, int] = {}  # the whole model's, per parameter
         self._stored_version: int | None = None
         self._anchor_version: int | None = None
         # Caller-side state.
@@ -166,6 +204,18 @@ class Publisher:
             self._queue = queue.Queue(maxsize=max(1, max_pending))
             self._worker = threading.Thread(target=self._run_worker, name="delta-sync-publisher", daemon=True)
             self._worker.start()
+
+    def _join_prefix(self, overwrite: bool) -> None:
+        """Rank 0 claims the prefix; every rank adopts its run id or its refusal."""
+        refusal = None
+        if self.rank == 0:
+            try:
+                self._claim_prefix(overwrite)
+            except PublishError as exc:
+                refusal = str(exc)
+        self.run_id, refusal = self._ranks.broadcast((self.run_id, refusal))
+        if refusal is not None:
+            raise PublishError(refusal)
 
     def _claim_prefix(self, overwrite: bool) -> None:
         existing = [path for path in self.bucket.list() if path == LATEST or parse_step_path(path)]
@@ -216,7 +266,7 @@ class Publisher:
             version: Must be greater than every version published before.
 
         Raises:
-            PublishError: An earlier background publish failed.
+            PublishError: An earlier background publish failed (on any rank).
             ValueError: `version` does not increase.
         """
         self._raise_pending_error()
@@ -266,6 +316,12 @@ class Publisher:
     def _raise_pending_error(self) -> None:
         with self._error_lock:
             error, self._error = self._error, None
+        if self.parted:
+            # Every rank must take the same decision (raise, next version an anchor), so a
+            # failure any rank knows of counts for all.
+            failures = [failure for failure in self._ranks.gather(error and str(error), thread="caller") if failure]
+            if failures and error is None:
+                error = PublishError(failures[0])
         if error is not None:
             self._needs_anchor = True
             raise PublishError(f"publishing to {self.bucket.url} failed: {error}") from error
@@ -279,7 +335,7 @@ class Publisher:
             try:
                 if job is None:
                     return
-                if self._error is not None:
+                if self._error is not None and not self.parted:
                     logger.error("delta-sync: version %d dropped after an earlier publish failure", job.version)
                     if job.holds_snapshot_lock:
                         self.detector.snapshot_lock.release()
@@ -317,59 +373,149 @@ class Publisher:
     def _store(self, job: _Job, started: float) -> PublishReport:
         if self._resumed_files:
             self._rewind(job.version)
-        change_set = job.change_set
-        files: list[str] = []
-        written = delta_bytes = 0
-        delta = anchor = None
-        if job.write_delta:
-            delta = delta_path(job.version)
-            delta_bytes = self._store_delta(job.version, change_set, delta)
-            written += delta_bytes
-            files.append(delta)
-        if job.write_anchor:
-            anchor = anchor_path(job.version)
-            written += self._store_anchor(job.version, anchor, check_chain=job.write_delta)
-            files.append(anchor)
-            # The snapshot is no longer needed: let training move on before the uploads end.
-            job.holds_snapshot_lock = False
-            self.detector.snapshot_lock.release()
-        checksum = model_checksum(self._checksums)
-        latest = Latest(
-            version=job.version,
-            anchor_version=self._anchor_version,
-            anchor=anchor_path(self._anchor_version),
-            delta=delta,
-            model_checksum=checksum,
-            run_id=self.run_id,
-        ).to_json()
-        self.bucket.upload(LATEST, latest)
-        written += len(latest)
+        mine = self._store_own_files(job)
+        if self.parted:
+            results = self._ranks.gather(mine, thread="worker")
+            failed = [f"rank {rank}: {r.error}" for rank, r in enumerate(results) if r.error]
+            if failed:
+                raise PublishError(f"version {job.version} is not stored: {'; '.join(failed)}")
+        else:
+            results = [mine]
+        delta, anchor = self._finish_version(job, results)
+        written = sum(stored.bytes for r in results for stored in (r.delta, r.anchor) if stored is not None)
+        if self.rank == 0:
+            latest = Latest(
+                version=job.version,
+                anchor_version=self._anchor_version,
+                anchor=self._version_path("anchor", self._anchor_version),
+                delta=delta,
+                model_checksum=model_checksum(self._model_checksums),
+                run_id=self.run_id,
+            ).to_json()
+            self.bucket.upload(LATEST, latest)
+            written += len(latest)
+            if anchor is not None:
+                self._apply_retention()
         self._stored_version = job.version
-        if anchor is not None:
-            self._apply_retention()
         return PublishReport(
             version=job.version,
-            files=tuple(files),
+            files=tuple(path for path in (delta, anchor) if path is not None),
             delta=delta,
             anchor=anchor,
-            changed_elements=change_set.changed_elements,
-            total_elements=change_set.total_elements,
+            changed_elements=sum(sum(r.changed.values()) for r in results if r.changed),
+            total_elements=self.layout.total_elements,
             bytes_written=written,
-            delta_bytes=delta_bytes,
-            steps=change_set.steps,
+            delta_bytes=sum(r.delta.bytes for r in results if r.delta is not None),
+            steps=job.change_set.steps,
             detect_seconds=job.detect_seconds,
             publish_seconds=time.perf_counter() - started,
-            model_checksum=checksum,
+            model_checksum=model_checksum(self._model_checksums),
         )
 
-    def _store_delta(self, version: int, change_set: ChangeSet, path: str) -> int:
+    def _store_own_files(self, job: _Job) -> _RankResult:
+        """Write this rank's files of a version: the single files, or this rank's parts.
+
+        With parts, a failure is returned rather than raised so that the other ranks learn
+        of it in the same exchange instead of waiting for this rank forever.
+        """
+        result = _RankResult(changed={n: len(c) for n, c in job.change_set.changes.items()})
+        try:
+            if self._error is not None:  # an earlier version failed here: this one is dropped
+                raise PublishError(f"dropped after an earlier failure: {self._error}")
+            if job.write_delta:
+                result.delta = self._store_delta(job.version, job.change_set)
+            if job.write_anchor:
+                result.anchor = self._store_anchor(job.version, check_chain=job.write_delta)
+                # The snapshot is no longer needed: let training move on before the uploads end.
+                job.holds_snapshot_lock = False
+                self.detector.snapshot_lock.release()
+        except BaseException as exc:
+            if not self.parted:
+                raise
+            result.error = f"{type(exc).__name__}: {exc}"
+        result.checksums = dict(self._checksums)
+        return result
+
+    def _finish_version(self, job: _Job, results: list[_RankResult]) -> tuple[str | None, str | None]:
+        """Bring the whole model's checksums up to this version; with parts, rank 0 writes the
+        manifests. Returns the paths replicas apply: the delta's and the anchor's (or None)."""
+        previous = dict(self._model_checksums)
+        for name in self.layout.shapes:
+            shares = [r.checksums[name] for r in results if r.checksums and name in r.checksums]
+            if shares:
+                self._model_checksums[name] = add_checksums(*shares)
+        if job.write_anchor:
+            self._anchor_version = job.version
+        if not self.parted:
+            return (delta_path(job.version) if job.write_delta else None), (
+                anchor_path(job.version) if job.write_anchor else None
+            )
+        delta = anchor = None
+        if job.write_delta:
+            changed = sorted({name for r in results for name in (r.changed or {})})
+            delta = self._write_manifest("delta", job, results, changed, base=previous)
+        if job.write_anchor:
+            anchor = self._write_manifest("anchor", job, results, sorted(self.layout.shapes), base=None)
+        return delta, anchor
+
+    def _write_manifest(
+        self, kind: str, job: _Job, results: list[_RankResult], names: list[str], *, base: dict[str, int] | None
+    ) -> str:
+        path = manifest_path(kind, job.version)
+        if self.rank != 0:
+            return path
+        parts = []
+        for rank, result in enumerate(results):
+            stored = result.delta if kind == "delta" else result.anchor
+            if stored is not None:
+                parts.append(PartRecord(stored.path, rank, stored.bytes, stored.payload_digest))
+        manifest = Manifest(
+            kind=kind,
+            version=job.version,
+            base_version=self._stored_version if kind == "delta" else None,
+            anchor_version=self._anchor_version,
+            run_id=self.run_id,
+            encoding="raw" if kind == "delta" else "dense",
+            world_size=self.layout.world_size,
+            parts=tuple(parts),
+            shapes={name: self.layout.shapes[name] for name in names},
+            checksums={name: self._model_checksums[name] for name in names},
+            base_checksums={name: base[name] for name in names} if base is not None else {},
+            model_checksum=model_checksum(self._model_checksums),
+            changed_elements=(
+                sum(sum(r.changed.values()) for r in results if r.changed)
+                if kind == "delta"
+                else self.layout.total_elements
+            ),
+            total_elements=self.layout.total_elements,
+        )
+        self.bucket.upload(path, manifest.to_json(), overwrite=False)
+        return path
+
+    def _version_path(self, kind: str, version: int) -> str:
+        if self.parted:
+            return manifest_path(kind, version)
+        return anchor_path(version) if kind == "anchor" else delta_path(version)
+
+    def _own_path(self, kind: str, version: int) -> str:
+        if self.parted:
+            return part_path(kind, version, self.rank)
+        return anchor_path(version) if kind == "anchor" else delta_path(version)
+
+    def _part(self) -> tuple[int, int] | None:
+        return (self.rank, self.layout.world_size) if self.parted else None
+
+    def _store_delta(self, version: int, change_set: ChangeSet) -> _Stored | None:
         assert self._stored_version is not None and self._anchor_version is not None
+        if self.parted and not change_set.changes:
+            return None  # nothing changed on this rank: no part
         base_checksums = {name: self._checksums[name] for name in change_set.changes}
         new_checksums = {
             name: updated_checksum(base_checksums[name], change.indices, change_set.old_values[name], change.values)
             for name, change in change_set.changes.items()
         }
         self._checksums.update(new_checksums)
+        path = self._own_path("delta", version)
         header = FileHeader(
             source=path,
             kind="delta",
@@ -381,15 +527,28 @@ class Publisher:
             shapes={name: change_set.shapes[name] for name in change_set.changes},
             checksums=new_checksums,
             base_checksums=base_checksums,
-            model_checksum=model_checksum(self._checksums),
+            model_checksum="" if self.parted else model_checksum(self._checksums),
             changed_elements=change_set.changed_elements,
             total_elements=change_set.total_elements,
+            part=self._part(),
         )
         return self._write_and_upload(path, lambda dest: write_delta(dest, change_set.changes, header))
 
-    def _store_anchor(self, version: int, path: str, *, check_chain: bool) -> int:
+    def _store_anchor(self, version: int, *, check_chain: bool) -> _Stored | None:
+        shards = self.layout.shards
         tensors = {name: tensor.cpu() for name, tensor in self.detector.snapshot.items()}
-        checksums = dict(zip(tensors, parallel_map(tensor_checksum, tensors.values())))
+        self._check_publishable(version, tensors)
+        checksums = dict(
+            zip(
+                tensors,
+                parallel_map(
+                    lambda name: tensor_checksum(
+                        tensors[name], shards[name].block.position_of(shards[name].global_shape)
+                    ),
+                    tensors,
+                ),
+            )
+        )
         # With a delta of the same version just written, the checksums kept up delta by
         # delta must equal those of the weights: a free end-to-end check of the chain.
         if check_chain and checksums != self._checksums:
@@ -399,7 +558,9 @@ class Publisher:
                 "the delta chain would not reproduce the model"
             )
         self._checksums = checksums
-        self._anchor_version = version
+        if self.parted and not tensors:
+            return None  # this rank holds no element of any parameter
+        path = self._own_path("anchor", version)
         total = sum(t.numel() for t in tensors.values())
         header = FileHeader(
             source=path,
@@ -409,35 +570,61 @@ class Publisher:
             anchor_version=version,
             encoding="dense",
             run_id=self.run_id,
-            shapes={name: tuple(t.shape) for name, t in tensors.items()},
+            shapes={name: shards[name].global_shape for name in tensors},
             checksums=checksums,
             base_checksums={},
-            model_checksum=model_checksum(checksums),
+            model_checksum="" if self.parted else model_checksum(checksums),
             changed_elements=total,
-            total_elements=total,
+            total_elements=self.layout.total_elements,
+            part=self._part(),
+            blocks={name: shards[name].block.offset for name in tensors} if self.parted else {},
         )
         return self._write_and_upload(path, lambda dest: write_anchor(dest, tensors, header))
 
-    def _write_and_upload(self, path: str, write: Callable[[Path], None]) -> int:
+    def _check_publishable(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """The guard against a bucket that passes its own checks but holds the wrong model:
+        every parameter at its checkpoint shape (or this rank's block of it), all of them."""
+        shards = self.layout.shards
+        for name, tensor in tensors.items():
+            if tuple(tensor.shape) != shards[name].block.shape:
+                raise UnsupportedLayoutError(
+                    f"version {version}: parameter {name!r} has shape {list(tensor.shape)}, but its checkpoint "
+                    f"shape (this rank's block) is {list(shards[name].block.shape)}; refusing to write a wrong anchor"
+                )
+        if not self.parted and (
+            set(tensors) != set(self.layout.shapes)
+            or self.layout.total_elements != sum(t.numel() for t in tensors.values())
+        ):
+            missing = sorted(set(self.layout.shapes) - set(tensors))
+            raise UnsupportedLayoutError(
+                f"version {version}: the anchor would hold {sum(t.numel() for t in tensors.values())} of the "
+                f"model's {self.layout.total_elements} elements (missing {missing[:5]}); refusing to write it"
+            )
+
+    def _write_and_upload(self, path: str, write: Callable[[Path], FileHeader]) -> _Stored:
         staged = self._staging / path.replace("/", "_")
         try:
-            write(staged)
+            header = write(staged)
             size = staged.stat().st_size
             # Version files are written once: a second trainer on the same prefix fails loudly.
             self.bucket.upload(path, staged, overwrite=False)
         finally:
             staged.unlink(missing_ok=True)
-        return size
+        return _Stored(path, size, header.payload_digest)
 
     def _apply_retention(self) -> None:
         anchors = step_versions(self.bucket.list("anchors"), "anchor")
         if len(anchors) <= self.keep_anchors:
             return
         oldest_kept = anchors[-self.keep_anchors]
-        doomed = [anchor_path(v) for v in anchors if v < oldest_kept]
-        doomed += [delta_path(v) for v in step_versions(self.bucket.list("deltas"), "delta") if v <= oldest_kept]
-        self.bucket.delete(doomed)
-        logger.info("delta-sync: retention removed %d file(s) older than anchor v%d", len(doomed), oldest_kept)
+
+        def doomed(path: str) -> bool:
+            kind, version = parse_step_path(path) or ("", oldest_kept)
+            return version < oldest_kept if kind == "anchor" else version <= oldest_kept
+
+        paths = [path for path in self.bucket.list("anchors") + self.bucket.list("deltas") if doomed(path)]
+        self.bucket.delete(paths)
+        logger.info("delta-sync: retention removed %d file(s) older than anchor v%d", len(paths), oldest_kept)
 
 
 def _human_bytes(size: float) -> str:

@@ -1,0 +1,96 @@
+"""`Block`: the hyper-rectangle of a parameter that one trainer rank holds and publishes.
+
+Both ends use it: the trainer maps the positions of changed elements in its block to
+positions in the full checkpoint tensor, and a replica puts the blocks of an anchor's parts
+back together. A block's row-major order is the full tensor's order restricted to the
+block, so ascending positions stay ascending.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["Block"]
+
+
+@dataclass(frozen=True)
+class Block:
+    """Where a block sits in the full tensor.
+
+    Args:
+        offset: Start of the block in each dimension of the full tensor.
+        shape: Extent of the block in each dimension (a 0 means the block is empty).
+
+    Example:
+        ```python
+        >>> block = Block(offset=(2, 0), shape=(2, 5))  # rows 2-3 of a (7, 5) tensor
+        >>> block.full_positions((7, 5), torch.tensor([0, 6])).tolist()
+        [10, 16]
+        ```
+    """
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def slices(self) -> tuple[slice, ...]:
+        """Index of the block in the full tensor: `full[block.slices()]`."""
+        return tuple(slice(start, start + size) for start, size in zip(self.offset, self.shape))
+
+    def fits(self, full_shape: tuple[int, ...]) -> bool:
+        """Whether the block lies inside a tensor of `full_shape`."""
+        return len(self.offset) == len(self.shape) == len(full_shape) and all(
+            0 <= start and 0 <= size and start + size <= dim
+            for start, size, dim in zip(self.offset, self.shape, full_shape)
+        )
+
+    def overlaps(self, other: Block) -> bool:
+        """Whether two non-empty blocks of one tensor share an element."""
+        if not self.numel or not other.numel:
+            return False
+        return all(a < b + n and b < a + m for a, m, b, n in zip(self.offset, self.shape, other.offset, other.shape))
+
+    def full_positions(self, full_shape: tuple[int, ...], local: torch.Tensor) -> torch.Tensor:
+        """Flat row-major positions in the full tensor of flat positions inside the block.
+
+        Args:
+            full_shape: Shape of the full tensor.
+            local: 1-D integer positions inside the block (CPU).
+
+        Returns:
+            1-D int64 positions inside the full tensor, in the same order.
+        """
+        positions = local.numpy().astype(np.int64, copy=True)
+        if self.shape == full_shape:
+            return torch.from_numpy(positions)
+        strides = _row_major_strides(full_shape)
+        # A block spanning every trailing dimension is one contiguous run of the full tensor.
+        if self.shape[1:] == full_shape[1:]:
+            return torch.from_numpy(positions + self.offset[0] * strides[0])
+        result = np.zeros_like(positions)
+        for dim in reversed(range(len(full_shape))):
+            size = self.shape[dim]
+            result += (positions % size + self.offset[dim]) * strides[dim]
+            positions //= size
+        return torch.from_numpy(result)
+
+    def position_of(self, full_shape: tuple[int, ...]):
+        """`positions(start, stop)` for [`delta_sync.integrity.tensor_checksum`] of the block's
+        share of a parameter; None when the block is the whole tensor."""
+        if self.shape == full_shape:
+            return None
+        return lambda start, stop: self.full_positions(full_shape, torch.arange(start, stop)).numpy()
+
+
+def _row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = [1] * len(shape)
+    for dim in range(len(shape) - 2, -1, -1):
+        strides[dim] = strides[dim + 1] * shape[dim + 1]
+    return tuple(strides)

@@ -1,0 +1,234 @@
+"""Manifests: a version written as several parts, one per trainer rank.
+
+A sharded trainer never gathers weights: each rank writes the elements it holds as a part
+(`deltas/step_00000003/part_00001.safetensors`), and one rank then writes the version's
+manifest (`deltas/step_00000003.manifest.json`) naming every part with its payload digest,
+plus what the single-file layout keeps in a file's metadata: versions, shapes, per-parameter
+state checksums of the whole model and the model checksum. A replica is pointed at the
+manifest, needs no knowledge of the trainer's world size, and applies all parts as one
+update. The manifest is JSON:
+
+| key | meaning |
+| --- | --- |
+| `format`, `format_version` | `"delta-sync-manifest"`, `"1"` |
+| `kind` | `"anchor"` or `"delta"` |
+| `model_version`, `base_version`, `anchor_version` | as in a single file's metadata |
+| `run_id`, `encoding` | as in a single file's metadata |
+| `world_size` | ranks that wrote the version (informational) |
+| `parts` | list of `{"path", "rank", "bytes", "payload_xxh3"}` |
+| `shapes`, `checksums`, `base_checksums` | of the parameters in the version, whole-model values |
+| `model_checksum`, `changed_elements`, `total_elements` | as in a single file's metadata |
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .errors import FormatError
+from .integrity import format_checksum, parse_checksum
+from .layout import parse_step_path
+
+__all__ = ["MANIFEST_FORMAT", "Manifest", "PartRecord"]
+
+MANIFEST_FORMAT = "delta-sync-manifest"
+MANIFEST_FORMAT_VERSION = "1"
+# A manifest names parts and lists parameters; nothing legitimate comes near this.
+MAX_MANIFEST_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class PartRecord:
+    """One part of a version, as its manifest records it.
+
+    Args:
+        path: Bucket path of the part file.
+        rank: The trainer rank that wrote it.
+        bytes: Size of the file.
+        payload_xxh3: The payload digest recorded in the part's own metadata.
+    """
+
+    path: str
+    rank: int
+    bytes: int
+    payload_xxh3: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The parts of one version and what the whole version must reproduce.
+
+    Args:
+        kind: `"anchor"` or `"delta"`.
+        version: Model version after the version is applied.
+        base_version: Version a delta applies on top of; None for anchors.
+        anchor_version: The anchor this version descends from (an anchor's own version).
+        run_id: The training run.
+        encoding: Encoding of the delta parts (`"dense"` for anchors).
+        world_size: Ranks of the trainer that wrote the parts.
+        parts: The parts, by rank.
+        shapes: Full shape of every parameter in the version.
+        checksums: State checksum of each of those parameters after applying.
+        base_checksums: For deltas, the same before applying.
+        model_checksum: Digest of the whole model after applying.
+        changed_elements: Elements stored over all parts.
+        total_elements: Elements of the whole model.
+    """
+
+    kind: Literal["anchor", "delta"]
+    version: int
+    base_version: int | None
+    anchor_version: int
+    run_id: str
+    encoding: str
+    world_size: int
+    parts: tuple[PartRecord, ...]
+    shapes: dict[str, tuple[int, ...]]
+    checksums: dict[str, int]
+    base_checksums: dict[str, int] = field(default_factory=dict)
+    model_checksum: str = ""
+    changed_elements: int = 0
+    total_elements: int = 0
+
+    def to_json(self) -> bytes:
+        document = {
+            "format": MANIFEST_FORMAT,
+            "format_version": MANIFEST_FORMAT_VERSION,
+            "kind": self.kind,
+            "model_version": self.version,
+            "base_version": self.base_version,
+            "anchor_version": self.anchor_version,
+            "run_id": self.run_id,
+            "encoding": self.encoding,
+            "world_size": self.world_size,
+            "parts": [vars(part) for part in self.parts],
+            "shapes": {name: list(shape) for name, shape in sorted(self.shapes.items())},
+            "checksums": {name: format_checksum(v) for name, v in sorted(self.checksums.items())},
+            "base_checksums": {name: format_checksum(v) for name, v in sorted(self.base_checksums.items())},
+            "model_checksum": self.model_checksum,
+            "changed_elements": self.changed_elements,
+            "total_elements": self.total_elements,
+        }
+        return json.dumps(document, indent=1).encode() + b"\n"
+
+    @classmethod
+    def from_json(cls, data: bytes, *, source: str) -> Manifest:
+        """Parse and check a manifest.
+
+        Raises:
+            FormatError: Not a manifest, a field missing or of the wrong type, parts that
+                are not of this version, or checksums that do not cover `shapes`; the
+                message names the file and the field.
+        """
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise FormatError(f"{source}: {len(data)} bytes is too large for a manifest")
+        try:
+            document = json.loads(data)
+        except (ValueError, RecursionError) as exc:
+            raise FormatError(f"{source}: not a JSON manifest ({exc})") from None
+        reader = _Fields(document, source)
+        if reader.text("format") != MANIFEST_FORMAT:
+            raise FormatError(f"{source}: 'format' is not {MANIFEST_FORMAT!r}")
+        if reader.text("format_version") != MANIFEST_FORMAT_VERSION:
+            raise FormatError(f"{source}: unsupported manifest format_version (this library reads '1')")
+        kind = reader.text("kind")
+        if kind not in ("anchor", "delta"):
+            raise FormatError(f"{source}: 'kind' must be 'anchor' or 'delta', got {kind!r}")
+        manifest = cls(
+            kind=kind,
+            version=reader.count("model_version"),
+            base_version=reader.count("base_version") if kind == "delta" else None,
+            anchor_version=reader.count("anchor_version"),
+            run_id=reader.text("run_id"),
+            encoding=reader.text("encoding"),
+            world_size=reader.count("world_size"),
+            parts=tuple(reader.parts()),
+            shapes=reader.shapes(),
+            checksums=reader.checksums("checksums"),
+            base_checksums=reader.checksums("base_checksums") if kind == "delta" else {},
+            model_checksum=reader.text("model_checksum"),
+            changed_elements=reader.count("changed_elements"),
+            total_elements=reader.count("total_elements"),
+        )
+        manifest._check(source)
+        return manifest
+
+    def _check(self, source: str) -> None:
+        for field_name, table in (("checksums", self.checksums), ("base_checksums", self.base_checksums)):
+            if (table or field_name == "checksums") and set(table) != set(self.shapes):
+                raise FormatError(f"{source}: '{field_name}' does not cover exactly the parameters of 'shapes'")
+        ranks = [part.rank for part in self.parts]
+        if len(set(ranks)) != len(ranks) or any(not 0 <= rank < self.world_size for rank in ranks):
+            raise FormatError(f"{source}: 'parts' ranks {ranks} are repeated or outside world_size {self.world_size}")
+        for part in self.parts:
+            if parse_step_path(part.path) != (self.kind, self.version) or part.path.endswith(".json"):
+                raise FormatError(f"{source}: part {part.path!r} is not a part of {self.kind} v{self.version}")
+
+
+class _Fields:
+    """Strict readers of a manifest's JSON fields; errors name the file and the field."""
+
+    def __init__(self, document: Any, source: str) -> None:
+        if not isinstance(document, Mapping):
+            raise FormatError(f"{source}: a manifest is a JSON object")
+        self.document = document
+        self.source = source
+
+    def _get(self, key: str) -> Any:
+        if key not in self.document:
+            raise FormatError(f"{self.source}: manifest field {key!r} is missing")
+        return self.document[key]
+
+    def _bad(self, key: str, what: str) -> FormatError:
+        return FormatError(f"{self.source}: manifest field {key!r} must be {what}")
+
+    def text(self, key: str) -> str:
+        value = self._get(key)
+        if not isinstance(value, str):
+            raise self._bad(key, "a string")
+        return value
+
+    def count(self, key: str) -> int:
+        value = self._get(key)
+        if type(value) is not int or value < 0:
+            raise self._bad(key, "a non-negative integer")
+        return value
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        value = self._get("shapes")
+        if not isinstance(value, Mapping) or not all(
+            isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) for shape in value.values()
+        ):
+            raise self._bad("shapes", "an object of lists of non-negative integers")
+        return {str(name): tuple(shape) for name, shape in value.items()}
+
+    def checksums(self, key: str) -> dict[str, int]:
+        value = self._get(key)
+        if not isinstance(value, Mapping):
+            raise self._bad(key, "an object of 16-hex-digit checksums")
+        try:
+            return {str(name): parse_checksum(text) for name, text in value.items()}
+        except (ValueError, TypeError):
+            raise self._bad(key, "an object of 16-hex-digit checksums") from None
+
+    def parts(self) -> list[PartRecord]:
+        value = self._get("parts")
+        if not isinstance(value, list):
+            raise self._bad("parts", "a list")
+        records = []
+        for entry in value:
+            fields = _Fields(entry, self.source)
+            try:
+                records.append(
+                    PartRecord(
+                        path=fields.text("path"),
+                        rank=fields.count("rank"),
+                        bytes=fields.count("bytes"),
+                        payload_xxh3=fields.text("payload_xxh3"),
+                    )
+                )
+            except FormatError as exc:
+                raise FormatError(f"{self.source}: a part of manifest field 'parts' is malformed ({exc})") from None
+        return records

@@ -1,0 +1,118 @@
+"""Run under torchrun (gloo): an FSDP2 model trained with AdamW, published by DeltaSyncCallback.
+
+Every rank publishes its own part of every version; rank 0 replays the bucket with a
+Receiver after every version and compares it, bit for bit, with the full weights
+(gathered here, for the check only). While the callback runs, gathering weights is made
+to fail, so the test proves the callback never does it.
+
+    torchrun --standalone --nproc_per_node 2 fsdp2_publish.py --bucket DIR --steps 4 --anchor-every 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from delta_sync import Receiver
+from delta_sync.trainer.callback import DeltaSyncCallback
+
+
+@contextlib.contextmanager
+def no_weight_gathers():
+    """Make every way of gathering a sharded weight fail while the callback runs."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("delta-sync gathered weights")
+
+    saved = (DTensor.full_tensor, DTensor.redistribute, dist.all_gather_into_tensor)
+    DTensor.full_tensor, DTensor.redistribute, dist.all_gather_into_tensor = refuse, refuse, refuse
+    try:
+        yield
+    finally:
+        DTensor.full_tensor, DTensor.redistribute, dist.all_gather_into_tensor = saved
+
+
+def build_model(master: bool) -> torch.nn.Module:
+    # Vocabulary and widths that do not divide evenly; head_dim 2 makes the q/k norms
+    # (2 elements) leave a third rank an empty shard.
+    config = Qwen3Config(
+        vocab_size=301,
+        hidden_size=50,
+        intermediate_size=70,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).to(torch.float32 if master else torch.bfloat16)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if master else MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def full_bf16(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.full_tensor().to(torch.bfloat16) for name, p in model.named_parameters()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bucket", required=True)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--anchor-every", type=int, default=2)
+    parser.add_argument("--master", action="store_true", help="fp32 sharded masters, bf16 published")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = build_model(args.master)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    callback = DeltaSyncCallback(bucket=args.bucket, anchor_every=args.anchor_every, background=False)
+    state = SimpleNamespace(global_step=0, is_world_process_zero=rank == 0, log_history=[])
+    training_args = SimpleNamespace(use_vllm=False)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    receiver = Receiver(expected_shapes=shapes) if rank == 0 else None
+    with no_weight_gathers():
+        callback.on_train_begin(training_args, state, None, model=model, optimizer=optimizer)
+    detector = callback.detector
+    local = sum(p.to_local().numel() for p in model.parameters())
+    rows = sum(math.prod(shape[1:]) for shape in shapes.values())
+    snapshot = sum(t.numel() for t in detector.snapshot.values())
+    assert snapshot <= local + rows, f"rank {rank}: snapshot {snapshot} > shard {local} + one row per parameter"
+    versions = []
+    generator = torch.Generator().manual_seed(rank)
+    for step in range(1, args.steps + 1):
+        ids = torch.randint(0, 301, (2, 8), generator=generator)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        state.global_step = step
+        with no_weight_gathers():
+            callback.on_step_end(training_args, state, None)
+        expected = full_bf16(model)
+        if rank == 0:
+            result = receiver.update(args.bucket)
+            assert result.version == step, (result.version, step)
+            for name, tensor in expected.items():
+                assert torch.equal(tensor.view(torch.int16), receiver.weights[name].view(torch.int16)), name
+            versions.append({"version": step, "applied": list(result.applied)})
+    with no_weight_gathers():
+        callback.on_train_end(training_args, state, None)
+    if rank == 0:
+        print("RESULT " + json.dumps({"versions": versions, "checksum": receiver.model_checksum}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
