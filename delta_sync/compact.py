@@ -33,6 +33,7 @@ little-endian, is:
 | boundaries | `G - 1` bytes | first exponent of groups `1..G-1`, strictly ascending |
 | per group: changed | varint | changed elements in the group |
 | per group with changes: value table | 1 + `C` bytes | highest value class `C - 1`, then a log-scale frequency per class |
+| words | varint | number of ANS words that follow |
 | ANS words | rest | uint32 words of the constriction `AnsCoder` |
 
 Decoding validates every count against the tensor's size before allocating anything, so a
@@ -71,7 +72,7 @@ SUFFIX = ".compact"
 _VERSION = 1
 _MAX_GROUPS = 255
 # Top of the gap alphabet: a gap's high part is coded directly below this, escaped above.
-_TOPS = 256
+_TOPS = 64
 # Value classes: zigzag codes below 16 directly, then one class per bit length up to 16.
 _DIRECT_CLASSES = 16
 _CLASSES = _DIRECT_CLASSES + 12
@@ -82,8 +83,9 @@ _CHUNK_BITS = 16
 _MIN_GROUPED_NUMEL = 4096
 _MIN_GROUPED_CHANGES = 64
 # At most this many exponent atoms enter the partition search (coarsened beyond).
-_MAX_ATOMS = 64
-_GROUP_PENALTY = 0.0
+_MAX_ATOMS = 32
+# Each group costs a pass over the tensor: it must save more than this many bits per element.
+_GROUP_PENALTY = 1 / 1024
 # Log-scale frequencies: probability of a value class is 2^((q - 1) / 4) for q in 1..255.
 _QUARTER_POWERS = np.array([1.0, 1.189207115002721, 1.4142135623730951, 1.681792830507429])
 
@@ -171,7 +173,9 @@ def decode_changes(
     if set(entries) != set(expected):
         missing = sorted(set(expected) - set(entries))
         extra = sorted(set(entries) - set(expected))
-        raise FormatError(f"{source}: compact tensors do not match the file's parameters (missing {missing}, unexpected {extra})")
+        raise FormatError(
+            f"{source}: compact tensors do not match the file's parameters (missing {missing}, unexpected {extra})"
+        )
     for name, shape in shapes.items():
         held = previous.get(name)
         if held is None:
@@ -239,6 +243,7 @@ def _encode_tensor(name: str, change: SparseChange, previous: torch.Tensor) -> n
     for op in reversed(ops):
         op.encode(coder)
     words = coder.get_compressed().astype("<u4", copy=False)
+    header += _varint(words.size)
     return np.concatenate([np.frombuffer(bytes(header), dtype=np.uint8), words.view(np.uint8)])
 
 
@@ -251,7 +256,7 @@ def _decode_tensor(name: str, entry: torch.Tensor, previous: torch.Tensor, sourc
     numel = prev_bits.size
     reader = _Reader(stream, where)
     header = _Header.read(reader, numel)
-    words = reader.rest_as_words()
+    words = reader.rest_as_words(header.words)
     try:
         coder = constriction.stream.stack.AnsCoder(words)
     except ValueError as exc:
@@ -334,10 +339,13 @@ class _Reader:
                 return value
         raise FormatError(f"{self.where}: {what} is not a valid varint")
 
-    def rest_as_words(self) -> np.ndarray:
+    def rest_as_words(self, count: int) -> np.ndarray:
         rest = self.data[self.pos :]
-        if rest.size % 4:
-            raise FormatError(f"{self.where}: entropy-coded data is {rest.size} bytes, not whole 32-bit words")
+        if rest.size != 4 * count:
+            raise FormatError(
+                f"{self.where}: entropy-coded data is {rest.size} bytes, the header says {4 * count}; "
+                "the stream is truncated or damaged"
+            )
         return rest.view("<u4").astype(np.uint32)
 
 
@@ -346,12 +354,15 @@ class _Header:
     boundaries: list[int]
     changed: list[int]
     tables: list[np.ndarray | None] = field(default_factory=list)
+    words: int = 0
 
     @classmethod
     def read(cls, reader: _Reader, numel: int) -> _Header:
         version = reader.byte("version")
         if version != _VERSION:
-            raise FormatError(f"{reader.where}: compact stream version {version} is not supported (this library reads {_VERSION})")
+            raise FormatError(
+                f"{reader.where}: compact stream version {version} is not supported (this library reads {_VERSION})"
+            )
         groups = reader.byte("group count")
         if groups == 0:
             raise FormatError(f"{reader.where}: group count is 0")
@@ -367,12 +378,15 @@ class _Header:
             if count:
                 size = reader.byte(f"value table size of group {group}") + 1
                 if size > _CLASSES:
-                    raise FormatError(f"{reader.where}: value table of group {group} has {size} classes, at most {_CLASSES} exist")
+                    raise FormatError(
+                        f"{reader.where}: value table of group {group} has {size} classes, at most {_CLASSES} exist"
+                    )
                 table = reader.bytes(size, f"value table of group {group}").copy()
                 if not table.any():
                     raise FormatError(f"{reader.where}: value table of group {group} is empty")
             tables.append(table)
-        return cls(boundaries=boundaries, changed=changed, tables=tables)
+        words = reader.varint(numel * 8 + 8, "length of the entropy-coded data")
+        return cls(boundaries=boundaries, changed=changed, tables=tables, words=words)
 
 
 # -- exponent groups -------------------------------------------------------------------------
@@ -399,7 +413,7 @@ class _GroupIndex:
     def iterate(cls, prev_bits: np.ndarray, boundaries: list[int]):
         """Yield the index of each group in turn, holding two boundary masks at a time."""
         # One byte per element from here on: each boundary then costs a byte compare and a packbits.
-        exponents = (prev_bits.view(np.uint16) >> 7).astype(np.uint8) if boundaries else None
+        exponents = _exponents(prev_bits) if boundaries else None
         below = np.zeros(_word_count(prev_bits.size), dtype="<u8")
         for boundary in [*boundaries, None]:
             if boundary is None:
@@ -428,6 +442,13 @@ class _GroupIndex:
         before = np.where(octet > 0, filled[np.arange(octet.size), np.maximum(octet - 1, 0)], 0)
         bit = _SELECT8[octets[np.arange(octet.size), octet], within - before]
         return (word << 6) + (octet << 3) + bit
+
+
+def _exponents(bits: np.ndarray) -> np.ndarray:
+    """The exponent field of every bf16 bit pattern, one byte each, in one pass."""
+    exponents = np.empty(bits.size, np.uint8)
+    np.right_shift(bits.view(np.uint16), np.uint16(7), out=exponents, casting="unsafe")
+    return exponents
 
 
 def _word_count(numel: int) -> int:
@@ -474,7 +495,7 @@ def _choose_boundaries(prev_bits: np.ndarray, changed_exponents: np.ndarray, cla
     starts = atoms[[chunk[0] for chunk in chunks]]  # first exponent of each atom
     n = np.add.reduceat(elements, starts)
     k = np.add.reduceat(changes, starts)
-    h = np.add.reduceat(class_counts, starts, axis=0)
+    h = np.add.reduceat(class_counts[:, class_counts.any(axis=0)], starts, axis=0)
     cost = _range_costs(n, k, h) + _GROUP_PENALTY * numel
     best = np.zeros(starts.size + 1)
     split = np.zeros(starts.size, dtype=np.int64)
@@ -545,7 +566,7 @@ def _geometric_model(count: int, coded: int) -> tuple[int, object]:
     so the trainer and every replica build the same model on any machine.
     """
     mean = (count - coded) // coded
-    shift = max(0, mean.bit_length() - 5)
+    shift = max(0, mean.bit_length() - 3)
     ratio = 1.0 - coded / count
     for _ in range(shift):
         ratio *= ratio

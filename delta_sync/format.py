@@ -414,6 +414,10 @@ class Anchor(_ClosingFile):
             self._handle = safe_open(str(self.path), framework="pt")
         return self._handle
 
+    def stored_shape(self, name: str) -> tuple[int, ...]:
+        """Shape of the tensor stored for `name` (a block's, for an anchor part)."""
+        return tuple(self._reader().get_slice(name).get_shape())
+
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         """`(name, tensor)` for every parameter, in sorted name order, one at a time."""
         for name in self.header.names:

@@ -23,15 +23,21 @@ update. The manifest is JSON:
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import math
+import os
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .errors import FormatError
-from .integrity import format_checksum, parse_checksum
+import torch
+
+from .blocks import Block
+from .errors import FormatError, IntegrityError
+from .format import Anchor, Delta, FileHeader, SparseChange, _ClosingFile, read_file
+from .integrity import add_checksums, format_checksum, model_checksum, parse_checksum
 from .layout import parse_step_path
 
-__all__ = ["MANIFEST_FORMAT", "Manifest", "PartRecord"]
+__all__ = ["MANIFEST_FORMAT", "Manifest", "PartRecord", "PartedAnchor", "read_version"]
 
 MANIFEST_FORMAT = "delta-sync-manifest"
 MANIFEST_FORMAT_VERSION = "1"
@@ -232,3 +238,172 @@ class _Fields:
             except FormatError as exc:
                 raise FormatError(f"{self.source}: a part of manifest field 'parts' is malformed ({exc})") from None
         return records
+
+
+def _header(manifest: Manifest, source: str) -> FileHeader:
+    """The header of the whole version, as if it were one file."""
+    return FileHeader(
+        source=source,
+        kind=manifest.kind,
+        version=manifest.version,
+        base_version=manifest.base_version,
+        anchor_version=manifest.anchor_version,
+        encoding=manifest.encoding,
+        run_id=manifest.run_id,
+        shapes=dict(manifest.shapes),
+        checksums=dict(manifest.checksums),
+        base_checksums=dict(manifest.base_checksums),
+        model_checksum=manifest.model_checksum,
+        changed_elements=manifest.changed_elements,
+        total_elements=manifest.total_elements,
+    )
+
+
+def read_version(
+    manifest: Manifest, parts: Sequence[tuple[PartRecord, str | os.PathLike]], *, source: str, base_url: str = ""
+) -> Anchor | Delta:
+    """Read every part of a version and check that together they are the version the
+    manifest describes; the result is applied like a single file.
+
+    Args:
+        manifest: The version's manifest.
+        parts: Each part record with the local path of its file, for every part of the manifest.
+        source: How to name the manifest in error messages (e.g. its bucket URL).
+        base_url: Prefix of part paths in error messages (the bucket's URL).
+
+    Returns:
+        A [`Delta`] holding every part's changes, or an anchor whose tensors are put
+        together from the parts' blocks ([`PartedAnchor`]).
+
+    Raises:
+        FormatError: A part is missing, malformed, of another version or run, has another
+            payload digest than the manifest records, or the parts overlap or leave
+            elements out.
+    """
+    if sorted(record.path for record, _ in parts) != sorted(record.path for record in manifest.parts):
+        raise FormatError(f"{source}: the parts given are not the manifest's parts")
+    files: list[Anchor | Delta] = []
+    try:
+        for record, local in parts:
+            file = read_file(local, source=f"{base_url}/{record.path}" if base_url else record.path, part_of=source)
+            files.append(file)
+            _check_part(manifest, record, file.header, source)
+        if manifest.kind == "delta":
+            return Delta(header=_header(manifest, source), changes=_merge_changes(manifest, files, source))
+        anchor = PartedAnchor(header=_header(manifest, source), parts=files)
+        anchor.check_cover()
+        files = []  # the anchor closes them now
+        return anchor
+    finally:
+        for file in files:
+            file.close()
+
+
+def _check_part(manifest: Manifest, record: PartRecord, header: FileHeader, source: str) -> None:
+    expected = {
+        "kind": manifest.kind,
+        "version": manifest.version,
+        "base_version": manifest.base_version,
+        "anchor_version": manifest.anchor_version,
+        "run_id": manifest.run_id,
+        "encoding": manifest.encoding,
+        "part": (record.rank, manifest.world_size),
+        "payload_digest": record.payload_xxh3,
+    }
+    for attribute, value in expected.items():
+        if getattr(header, attribute) != value:
+            raise FormatError(
+                f"{header.source}: its {attribute} is {getattr(header, attribute)!r}, but {source} records {value!r}"
+            )
+    for name, shape in header.shapes.items():
+        if manifest.shapes.get(name) != shape:
+            raise FormatError(f"{header.source}: parameter {name!r} is not in {source} with shape {list(shape)}")
+
+
+def _merge_changes(manifest: Manifest, parts: list[Delta], source: str) -> dict[str, SparseChange]:
+    """Each parameter's changes from all parts, in ascending position; parts never overlap."""
+    by_name: dict[str, list[SparseChange]] = {}
+    for part in parts:
+        for name, change in part.changes.items():
+            by_name.setdefault(name, []).append(change)
+    if sorted(by_name) != sorted(manifest.shapes):
+        raise FormatError(f"{source}: the parts change {sorted(by_name)[:5]}..., not the manifest's parameters")
+    merged = {}
+    for name, changes in by_name.items():
+        indices = torch.cat([c.indices for c in changes])
+        values = torch.cat([c.values for c in changes])
+        if len(changes) > 1:
+            order = torch.argsort(indices, stable=True)
+            indices, values = indices[order], values[order]
+            if bool((indices[1:] <= indices[:-1]).any()):
+                raise FormatError(f"{source}: two parts change the same element of {name!r}")
+        merged[name] = SparseChange(indices=indices, values=values)
+    total = sum(len(change) for change in merged.values())
+    if total != manifest.changed_elements:
+        raise FormatError(
+            f"{source}: the parts hold {total} changed elements, the manifest says {manifest.changed_elements}"
+        )
+    return merged
+
+
+@dataclass
+class PartedAnchor(_ClosingFile):
+    """An anchor written in parts: each parameter is put together from the parts' blocks
+    when asked for. Same interface as [`Anchor`].
+
+    Args:
+        header: The whole version's header (from the manifest).
+        parts: The anchor parts, open.
+    """
+
+    header: FileHeader
+    parts: list[Anchor]
+
+    def check_cover(self) -> None:
+        """Every element of every parameter is in exactly one part's block."""
+        source = self.header.source
+        blocks: dict[str, list[Block]] = {name: [] for name in self.header.shapes}
+        for part in self.parts:
+            for name in part.header.shapes:
+                blocks[name].append(part.header.block(name, part.stored_shape(name)))
+        for name, shape in self.header.shapes.items():
+            found = blocks[name]
+            if sum(block.numel for block in found) != math.prod(shape) or any(
+                a.overlaps(b) for i, a in enumerate(found) for b in found[i + 1 :]
+            ):
+                raise FormatError(f"{source}: the parts do not cover parameter {name!r} exactly once")
+
+    def tensor(self, name: str) -> torch.Tensor:
+        full = torch.empty(self.header.shapes[name], dtype=torch.bfloat16)
+        for part in self.parts:
+            if name in part.header.shapes:
+                stored = part.tensor(name)
+                full[part.header.block(name, tuple(stored.shape)).slices()] = stored
+        return full
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self.header.names:
+            yield name, self.tensor(name)
+
+    def verify(self) -> None:
+        """Each part against its own digest and checksum shares; their sum against the manifest.
+
+        Raises:
+            IntegrityError: A part is damaged, or the parts' checksums do not add up to the
+                manifest's.
+        """
+        header = self.header
+        if model_checksum(header.checksums) != header.model_checksum:
+            raise IntegrityError(f"{header.source}: model checksum does not match the per-parameter checksums")
+        shares: dict[str, list[int]] = {name: [] for name in header.shapes}
+        for part in self.parts:
+            part.verify()
+            for name, checksum in part.header.checksums.items():
+                shares[name].append(checksum)
+        for name, checksum in header.checksums.items():
+            if add_checksums(*shares[name]) != checksum:
+                raise IntegrityError(f"{header.source}: the parts of {name!r} do not add up to its recorded checksum")
+
+    def close(self) -> None:
+        for part in self.parts:
+            part.close()

@@ -10,13 +10,13 @@ import logging
 
 import httpx
 import pytest
-from fake_vllm import FakeVLLM
 
 from delta_sync.control import STATUS_METHOD, Route
 from delta_sync.errors import ReplicaError
 from delta_sync.trainer.replicas import Replica, ReplicaSet
 
 from conftest import PublishedRun, assert_bit_exact
+from fake_vllm import FakeVLLM
 
 #: One update, in order: START, UPDATE, then FINISH with generation paused, then the status.
 UPDATE_ROUTES = [

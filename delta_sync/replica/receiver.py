@@ -38,7 +38,8 @@ from ..errors import (
 )
 from ..format import Anchor, Delta, FileHeader, read_file
 from ..integrity import model_checksum, updated_checksum
-from ..layout import LATEST, Latest, anchor_path, delta_path, parse_step_path, step_versions
+from ..layout import LATEST, Latest, is_manifest, parse_step_path, version_files
+from ..manifest import Manifest, read_version
 from ..parallel import parallel_map
 from ..sparse import gather, scatter_
 from ..storage import Bucket, clean_path, open_bucket
@@ -459,32 +460,47 @@ class Receiver:
         latest = Latest.from_json(bucket.read_bytes(LATEST), source=f"{bucket.url}/{LATEST}")
         if self._is_stale(latest.version, latest.run_id):
             return
-        deltas = [v for v in step_versions(bucket.list("deltas"), "delta") if v <= latest.version]
+        deltas = {v: path for v, path in version_files(bucket.list("deltas"), "delta").items() if v <= latest.version}
         if self.version is not None and self.run_id == latest.run_id and not self._anchor_needed:
             try:
-                self._prepare_chain(bucket, [v for v in deltas if v > self.version], pending)
+                self._prepare_chain(bucket, deltas, self.version, pending)
             except (BaseVersionError, IntegrityError, FormatError) as exc:
                 logger.info("delta-sync: deltas do not lead from v%s to v%d (%s)", self.version, latest.version, exc)
         if self.version != latest.version or self.run_id != latest.run_id:
-            anchors = [v for v in step_versions(bucket.list("anchors"), "anchor") if v <= latest.version]
-            if not anchors:
+            anchors = version_files(bucket.list("anchors"), "anchor")
+            usable = sorted(v for v in anchors if v <= latest.version)
+            if not usable:
                 raise BucketFileNotFoundError(f"{bucket.url}: no anchor at or before version {latest.version}")
-            logger.info("delta-sync: catching up from anchor v%d", anchors[-1])
-            self._prepare_path(bucket, anchor_path(anchors[-1]), pending)
-            self._prepare_chain(bucket, [v for v in deltas if v > anchors[-1]], pending)
+            logger.info("delta-sync: catching up from anchor v%d", usable[-1])
+            self._prepare_path(bucket, anchors[usable[-1]], pending)
+            self._prepare_chain(bucket, deltas, usable[-1], pending)
         if self.version != latest.version:
             raise ApplyError(
                 f"{bucket.url}: catch-up reached version {self.version}, but latest.json names {latest.version}"
             )
 
-    def _prepare_chain(self, bucket: Bucket, versions: list[int], pending: PendingUpdate) -> None:
-        for version in versions:
-            self._prepare_path(bucket, delta_path(version), pending)
+    def _prepare_chain(self, bucket: Bucket, deltas: dict[int, str], after: int, pending: PendingUpdate) -> None:
+        for version in sorted(v for v in deltas if v > after):
+            self._prepare_path(bucket, deltas[version], pending)
 
     def _prepare_path(self, bucket: Bucket, path: str, pending: PendingUpdate) -> None:
-        local = self.cache.fetch(bucket, path)
-        with read_file(local, source=f"{bucket.url}/{path}") as file:
+        with self.open_version(bucket, path) as file:
             self._prepare_file(file, pending)
+
+    def open_version(self, bucket: Bucket, path: str) -> Anchor | Delta:
+        """Fetch (through the download cache) and read one version of `bucket`: a single file,
+        or a manifest and all its parts, checked by the format gate but not applied.
+
+        Use it as a context manager. Raises what [`read_file`] and
+        `delta_sync.manifest.read_version` raise, and `BucketFileNotFoundError`.
+        """
+        source = f"{bucket.url}/{path}"
+        local = self.cache.fetch(bucket, path)
+        if not is_manifest(path):
+            return read_file(local, source=source)
+        manifest = Manifest.from_json(local.read_bytes(), source=source)
+        parts = [(record, self.cache.fetch(bucket, record.path)) for record in manifest.parts]
+        return read_version(manifest, parts, source=source, base_url=bucket.url)
 
     def _prune_cache(self, bucket: Bucket) -> None:
         """Drop downloads no catch-up from the held version can use: anchors older than the

@@ -9,8 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import DeltaSyncError
-from ..format import Anchor, read_file
-from ..layout import LATEST, Latest, anchor_path, delta_path, step_versions
+from ..layout import LATEST, Latest, version_files
 from ..storage import Bucket, open_bucket
 from ..storage.cache import DownloadCache
 from .receiver import Receiver
@@ -75,22 +74,23 @@ def verify_bucket(bucket: Bucket | str, *, progress: bool | None = None) -> Veri
     except DeltaSyncError as exc:
         report.add(LATEST, False, str(exc))
         latest = None
-    anchors = step_versions(opened.list("anchors"), "anchor")
-    deltas = step_versions(opened.list("deltas"), "delta")
+    anchors = version_files(opened.list("anchors"), "anchor")
+    deltas = version_files(opened.list("deltas"), "delta")
     if not anchors:
         report.add("anchors/", False, "no anchor in the bucket")
         return report
     with tempfile.TemporaryDirectory(prefix="delta-sync-verify-") as cache_dir:
         receiver = Receiver(cache=DownloadCache(cache_dir))
-        versions = sorted({v for v in anchors + deltas if v >= anchors[0]})
+        first = min(anchors)
+        versions = sorted(v for v in {*anchors, *deltas} if v >= first)
         for version in tqdm(versions, desc="verify", unit="version", disable=_progress_off(progress)):
-            if version == anchors[0]:
-                _check(report, receiver, opened, anchor_path(version), "anchor loads and matches its checksums")
+            if version == first:
+                _check(report, receiver, opened, anchors[version], "anchor loads and matches its checksums")
                 continue
             if version in deltas:
-                _check(report, receiver, opened, delta_path(version), "delta applies with matching checksums")
+                _check(report, receiver, opened, deltas[version], "delta applies with matching checksums")
             if version in anchors:
-                _compare_anchor(report, receiver, opened, version)
+                _compare_anchor(report, receiver, opened, version, anchors[version])
         report.replayed_version = receiver.version
         if latest is not None:
             ok = receiver.version == latest.version and receiver.model_checksum == latest.model_checksum
@@ -115,15 +115,13 @@ def _check(report: VerifyReport, receiver: Receiver, bucket: Bucket, path: str, 
     return True
 
 
-def _compare_anchor(report: VerifyReport, receiver: Receiver, bucket: Bucket, version: int) -> None:
-    path = anchor_path(version)
+def _compare_anchor(report: VerifyReport, receiver: Receiver, bucket: Bucket, version: int, path: str) -> None:
     try:
-        anchor = read_file(receiver.cache.fetch(bucket, path), source=f"{bucket.url}/{path}")
+        anchor = receiver.open_version(bucket, path)
     except DeltaSyncError as exc:
         report.add(path, False, str(exc))
         return
     with anchor:
-        assert isinstance(anchor, Anchor)
         if receiver.version != version or receiver.run_id != anchor.header.run_id:
             # The chain broke before this anchor (e.g. a failed upload); it restarts here.
             _check(report, receiver, bucket, path, "anchor restarts the chain")

@@ -444,26 +444,25 @@ class Publisher:
             shares = [r.checksums[name] for r in results if r.checksums and name in r.checksums]
             if shares:
                 self._model_checksums[name] = add_checksums(*shares)
-        if job.write_anchor:
-            self._anchor_version = job.version
-        if not self.parted:
-            return (delta_path(job.version) if job.write_delta else None), (
-                anchor_path(job.version) if job.write_anchor else None
-            )
         delta = anchor = None
         if job.write_delta:
             changed = sorted({name for r in results for name in (r.changed or {})})
-            delta = self._write_manifest("delta", job, results, changed, base=previous)
+            delta = self._version_path("delta", job.version)
+            if self.parted:
+                self._write_manifest("delta", job, results, changed, base=previous)
         if job.write_anchor:
-            anchor = self._write_manifest("anchor", job, results, sorted(self.layout.shapes), base=None)
+            # A delta of this version still descends from the previous anchor.
+            self._anchor_version = job.version
+            anchor = self._version_path("anchor", job.version)
+            if self.parted:
+                self._write_manifest("anchor", job, results, sorted(self.layout.shapes), base=None)
         return delta, anchor
 
     def _write_manifest(
         self, kind: str, job: _Job, results: list[_RankResult], names: list[str], *, base: dict[str, int] | None
-    ) -> str:
-        path = manifest_path(kind, job.version)
+    ) -> None:
         if self.rank != 0:
-            return path
+            return
         parts = []
         for rank, result in enumerate(results):
             stored = result.delta if kind == "delta" else result.anchor
@@ -489,8 +488,7 @@ class Publisher:
             ),
             total_elements=self.layout.total_elements,
         )
-        self.bucket.upload(path, manifest.to_json(), overwrite=False)
-        return path
+        self.bucket.upload(manifest_path(kind, job.version), manifest.to_json(), overwrite=False)
 
     def _version_path(self, kind: str, version: int) -> str:
         if self.parted:

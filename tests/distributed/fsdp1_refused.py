@@ -1,6 +1,6 @@
 """Run under torchrun (2 ranks, gloo): FSDP1 is refused at train begin on every rank, nothing written.
 
-    torchrun --standalone --nproc_per_node 2 fsdp1_refused.py --bucket DIR [--use-orig-params]
+torchrun --standalone --nproc_per_node 2 fsdp1_refused.py --bucket DIR [--use-orig-params]
 """
 
 from __future__ import annotations
