@@ -3,6 +3,7 @@
 Both take local paths and bucket URLs (`file://`, `hf://buckets/...`, `s3://...`):
 
     delta-sync inspect s3://my-bucket/run1/deltas/step_00000002.safetensors
+    delta-sync inspect ./deltas/deltas/step_00000003.manifest.json   (a version written in parts)
     delta-sync verify hf://buckets/me/deltas
 """
 
@@ -14,41 +15,44 @@ import logging
 import sys
 import tempfile
 from collections.abc import Sequence
-from pathlib import Path
 
 from .errors import BucketPathError, DeltaSyncError
 from .format import Anchor, Delta, read_file
 from .layout import ANCHOR_DIR, DELTA_DIR
+from .manifest import PartedAnchor
+from .replica.receiver import Receiver
 from .replica.verify import verify_bucket
 from .storage import open_bucket
+from .storage.cache import DownloadCache
 
 __all__ = ["main"]
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    if "://" in args.file and not args.file.startswith("file://"):
-        with tempfile.TemporaryDirectory(prefix="delta-sync-inspect-") as tmp:
-            with read_file(_fetch(args.file, Path(tmp)), source=args.file) as file:
-                return _describe(args, file)
-    with read_file(args.file[len("file://") :] if args.file.startswith("file://") else args.file) as file:
-        return _describe(args, file)
+    target = args.file[len("file://") :] if args.file.startswith("file://") else args.file
+    located = _locate(target)
+    if located is None:  # a file outside any bucket layout: read it as it is
+        with read_file(target) as file:
+            return _describe(args, file)
+    bucket, path = located
+    with tempfile.TemporaryDirectory(prefix="delta-sync-inspect-") as tmp:
+        with Receiver(cache=DownloadCache(tmp)).open_version(open_bucket(bucket), path) as file:
+            return _describe(args, file)
 
 
-def _fetch(url: str, directory: Path) -> Path:
-    """Download the bucket file a URL names, e.g. `s3://b/run1/deltas/step_00000002.safetensors`."""
-    base, _, name = url.rstrip("/").rpartition("/")
-    path = name
+def _locate(target: str) -> tuple[str, str] | None:
+    """Split a version file's URL or path into its bucket and its path inside it, e.g.
+    `s3://b/run1/deltas/step_00000002.manifest.json` -> (`s3://b/run1`, `deltas/step_00000002.manifest.json`)."""
+    base, _, name = target.rstrip("/").rpartition("/")
     parent, _, folder = base.rpartition("/")
     if folder in (ANCHOR_DIR, DELTA_DIR):
-        base, path = parent, f"{folder}/{name}"
-    if not name or "://" not in base:
-        raise BucketPathError(f"{url!r} does not name a file inside a bucket")
-    local = directory / name
-    open_bucket(base).download(path, local)
-    return local
+        return parent or ".", f"{folder}/{name}"
+    if "://" in target:
+        raise BucketPathError(f"{target!r} does not name an anchor or delta inside a bucket")
+    return None
 
 
-def _describe(args: argparse.Namespace, file: Anchor | Delta) -> int:
+def _describe(args: argparse.Namespace, file: Anchor | Delta | PartedAnchor) -> int:
     header = file.header
     if isinstance(file, Delta):
         per_tensor = {
@@ -56,7 +60,6 @@ def _describe(args: argparse.Namespace, file: Anchor | Delta) -> int:
             for name, change in file.changes.items()
         }
     else:
-        assert isinstance(file, Anchor)
         per_tensor = {name: {"changed": _numel(shape), "numel": _numel(shape)} for name, shape in header.shapes.items()}
     for entry in per_tensor.values():
         entry["sparsity"] = 1.0 - entry["changed"] / entry["numel"] if entry["numel"] else 1.0

@@ -219,6 +219,21 @@ def test_replica_set_updates_live_replicas_and_reports_dead_ones(vllm_server, tr
         replicas.close()
 
 
+def test_server_follows_a_bucket_written_by_two_fsdp2_ranks(vllm_server, served_model, bucket_root):
+    from test_distributed import torchrun
+
+    bucket = bucket_root / "fsdp2"
+    args = ["--bucket", str(bucket), "--steps", "3", "--anchor-every", "2", "--model-dir", str(served_model)]
+    results = torchrun("fsdp2_publish.py", 2, *args, "--fp32-masters")
+    response = vllm_server.update(bucket.as_uri())  # catch up: anchor parts v1, then delta parts v2, v3
+    assert response.status_code == 200, response.text
+    status = vllm_server.status()
+    assert status["version"] == 3 and status["model_checksum"] == results[0]["checksum"]
+    response = vllm_server.update(bucket.as_uri(), "deltas/step_00000003/part_00000.safetensors")
+    assert response.status_code != 200 and "manifest" in response.text
+    assert vllm_server.status()["model_checksum"] == results[0]["checksum"]
+
+
 def test_vllm_ext_imports_no_training_stack():
     script = (
         "import sys, vllm_ext; "

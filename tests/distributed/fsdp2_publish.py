@@ -41,7 +41,7 @@ def no_weight_gathers():
         DTensor.full_tensor, DTensor.redistribute, dist.all_gather_into_tensor = saved
 
 
-def build_model(master: bool) -> torch.nn.Module:
+def build_model(master: bool, model_dir: str | None = None) -> torch.nn.Module:
     # Vocabulary and widths that do not divide evenly; head_dim 2 makes the q/k norms
     # (2 elements) leave a third rank an empty shard.
     config = Qwen3Config(
@@ -55,7 +55,11 @@ def build_model(master: bool) -> torch.nn.Module:
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).to(torch.float32 if master else torch.bfloat16)
+    dtype = torch.float32 if master else torch.bfloat16
+    if model_dir is not None:  # e.g. the checkpoint a vLLM server serves
+        model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    else:
+        model = Qwen3ForCausalLM(config).to(dtype)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if master else MixedPrecisionPolicy()
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=policy)
@@ -73,10 +77,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--anchor-every", type=int, default=2)
     parser.add_argument("--fp32-masters", action="store_true", help="fp32 sharded masters, bf16 published")
+    parser.add_argument("--model-dir", help="train this checkpoint instead of a random model")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    model = build_model(args.fp32_masters)
+    model = build_model(args.fp32_masters, args.model_dir)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     callback = DeltaSyncCallback(bucket=args.bucket, anchor_every=args.anchor_every, background=False)
     state = SimpleNamespace(global_step=0, is_world_process_zero=rank == 0, log_history=[])
@@ -93,7 +98,7 @@ def main() -> None:
     versions = []
     generator = torch.Generator().manual_seed(rank)
     for step in range(1, args.steps + 1):
-        ids = torch.randint(0, 301, (2, 8), generator=generator)
+        ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=generator)
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
