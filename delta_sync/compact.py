@@ -288,7 +288,7 @@ def _decode_tensor(name: str, entry: torch.Tensor, previous: torch.Tensor, sourc
         raise FormatError(f"{where}: decoded positions repeat; the stream is damaged")
     new_bits = _unzigzag(zigzag[order], prev_bits[indices])
     return SparseChange(
-        indices=torch.from_numpy(indices).to(index_dtype(numel)),
+        indices=torch.from_numpy(indices.astype(np.int32 if index_dtype(numel) == torch.int32 else np.int64)),
         values=torch.from_numpy(new_bits).view(torch.bfloat16),
     )
 
@@ -434,14 +434,11 @@ class _GroupIndex:
 
     def select(self, ranks: np.ndarray) -> np.ndarray:
         """Position of the members with the given ranks (all below `count`)."""
-        word = np.searchsorted(self.cumulative, ranks, side="right") - 1
-        within = ranks - self.cumulative[word]
-        octets = self.words[word].view(np.uint8).reshape(-1, 8)
-        filled = np.cumsum(_POP8[octets], axis=1, dtype=np.int64)
-        octet = (filled <= within[:, None]).sum(axis=1)
-        before = np.where(octet > 0, filled[np.arange(octet.size), np.maximum(octet - 1, 0)], 0)
-        bit = _SELECT8[octets[np.arange(octet.size), octet], within - before]
-        return (word << 6) + (octet << 3) + bit
+        octets = self.words.view(np.uint8)
+        filled = np.cumsum(_POP8[octets], dtype=np.int64)  # members up to and including each byte
+        octet = np.searchsorted(filled, ranks, side="right")
+        before = np.where(octet > 0, filled[np.maximum(octet - 1, 0)], 0)
+        return (octet << 3) + _SELECT8[octets[octet], ranks - before]
 
 
 def _exponents(bits: np.ndarray) -> np.ndarray:
@@ -570,12 +567,9 @@ def _geometric_model(count: int, coded: int) -> tuple[int, object]:
     ratio = 1.0 - coded / count
     for _ in range(shift):
         ratio *= ratio
-    powers = np.ones(1)
-    step = ratio
-    while powers.size < _TOPS:
-        powers = np.concatenate([powers, powers * step])
-        step *= step
-    probabilities = np.concatenate([powers * (1.0 - ratio), [step]])
+    # ratio^t by sequential products (np.cumprod): one rounding per step, the same everywhere.
+    powers = np.cumprod(np.concatenate([[1.0], np.full(_TOPS, ratio)]))
+    probabilities = np.concatenate([powers[:_TOPS] * (1.0 - ratio), powers[_TOPS:]])
     return shift, _Categorical(probabilities, perfect=False)
 
 

@@ -75,6 +75,12 @@ class BucketUnavailableError(BucketError, ConnectionError):
     """The store kept failing with transient errors (connection, 429, 5xx) until the retry budget ran out."""
 
 
+class SignatureError(DeltaSyncError):
+    """A file is not signed by the trainer's key: unsigned, signed by another key, or
+    changed since it was signed. Raised only by replicas configured with a verify key;
+    nothing has been applied."""
+
+
 class UntrustedBucketError(ApplyError):
     """A receiver was asked to load weights from a bucket it is not configured to trust."""
 

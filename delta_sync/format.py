@@ -23,6 +23,8 @@ Both carry further metadata (all values are strings, as safetensors requires):
 | `anchor_version` | version of the newest anchor at or before `base_version` (anchor: its own) |
 | `encoding` | `"dense"` for anchors, `"raw"` for raw deltas |
 | `run_id` | identifier of the training run; deltas never cross runs |
+| `epoch` | identifies one start of the publisher (a resumed run gets a new one) |
+| `part`, `blocks` | (parts of a sharded version) `rank/world_size`; an anchor part's block offsets |
 | `shapes` | JSON `{name: shape}` of every parameter in the file |
 | `checksums` | JSON `{name: hex}`: state checksum of each parameter in the file *after* applying |
 | `base_checksums` | (delta) JSON `{name: hex}`: the same, *before* applying |
@@ -36,6 +38,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
@@ -115,6 +118,8 @@ class FileHeader:
         payload_digest: xxh3-64 of the tensor payload.
         changed_elements: Number of elements stored (all of them, for an anchor).
         total_elements: Number of elements in the whole model.
+        epoch: Identifies one start of the trainer's publisher: a run resumed in place gets a
+            new epoch, so its rewritten versions are never mistaken for the abandoned ones.
         part: `(rank, world_size)` for one rank's part of a version written in parts
             (see `delta_sync.manifest`); None for a whole file. A part's `checksums` are
             its share of each parameter's checksum, and it has no `model_checksum`.
@@ -136,6 +141,7 @@ class FileHeader:
     changed_elements: int
     total_elements: int
     payload_digest: str = ""
+    epoch: str = ""
     part: tuple[int, int] | None = None
     blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
@@ -172,6 +178,8 @@ class FileHeader:
             "changed_elements": str(self.changed_elements),
             "total_elements": str(self.total_elements),
         }
+        if self.epoch:
+            metadata["epoch"] = self.epoch
         if self.part is not None:
             metadata["part"] = f"{self.part[0]}/{self.part[1]}"
         if self.blocks:
@@ -244,12 +252,22 @@ class _Field:
             raise FormatError(f"{source}: metadata field {self.key!r} is missing")
         try:
             return self.parse(metadata[self.key])
-        except (ValueError, TypeError) as exc:
-            raise _malformed(source, self.key, exc) from None
+        except (ValueError, TypeError, RecursionError, OverflowError) as exc:
+            raise _malformed(source, self.key, type(exc).__name__ if isinstance(exc, RecursionError) else exc) from None
 
 
 def _malformed(source: str, key: str, reason: object) -> FormatError:
     return FormatError(f"{source}: metadata field {key!r} is malformed: {reason}")
+
+
+_COUNT = re.compile(r"0|[1-9][0-9]{0,18}")
+
+
+def _parse_count(text: str) -> int:
+    """A non-negative decimal integer, written plainly (no sign, spaces, `_` or exponent)."""
+    if not isinstance(text, str) or not _COUNT.fullmatch(text):
+        raise ValueError(f"{text!r} is not a non-negative integer")
+    return int(text)
 
 
 def _parse_kind(text: str) -> str:
@@ -274,9 +292,9 @@ def _parse_json(text: str, kind: type) -> Any:
 def _parse_shapes(text: str) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for name, shape in _parse_json(text, dict).items():
-        if not isinstance(shape, list):
-            raise ValueError(f"shape of {name!r} is not a list: {shape!r}")
-        shapes[name] = tuple(int(d) for d in shape)
+        if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**63 for d in shape):
+            raise ValueError(f"shape of {name!r} is not a list of non-negative integers: {shape!r}")
+        shapes[name] = tuple(shape)
     return shapes
 
 
@@ -320,16 +338,17 @@ _METADATA_FIELDS = (
     _Field("shapes", "shapes", _parse_shapes),
     _Field("checksums", "checksums", _parse_checksums),
     _Field("base_checksums", "base_checksums", _parse_checksums, ("delta",)),
-    _Field("base_version", "base_version", int, ("delta",)),
+    _Field("base_version", "base_version", _parse_count, ("delta",)),
     _Field("changed_params", None, _parse_names, ("delta",)),
-    _Field("model_version", "version", int),
-    _Field("anchor_version", "anchor_version", int),
-    _Field("changed_elements", "changed_elements", int),
-    _Field("total_elements", "total_elements", int),
+    _Field("model_version", "version", _parse_count),
+    _Field("anchor_version", "anchor_version", _parse_count),
+    _Field("changed_elements", "changed_elements", _parse_count),
+    _Field("total_elements", "total_elements", _parse_count),
     _Field("encoding", "encoding", str),
     _Field("run_id", "run_id", str),
     _Field("model_checksum", "model_checksum", str),
     _Field("payload_xxh3", "payload_digest", str),
+    _Field("epoch", "epoch", str, required=False),
     _Field("part", "part", _parse_part, required=False),
     _Field("blocks", "blocks", _parse_blocks, ("anchor",), required=False),
 )

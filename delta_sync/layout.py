@@ -18,11 +18,13 @@ deltas/step_00000003/part_00001.safetensors
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass
 
-from .errors import FormatError
+from .errors import FormatError, SignatureError
+from .signing import FileSignature, SigningKey, VerifyKey
 
 ANCHOR_DIR = "anchors"
 DELTA_DIR = "deltas"
@@ -32,6 +34,7 @@ MANIFEST_SUFFIX = ".manifest.json"
 
 _STEP_FILE = re.compile(r"^(anchors|deltas)/step_(\d{8,})(\.safetensors|\.manifest\.json)$")
 _PART_FILE = re.compile(r"^(anchors|deltas)/step_(\d{8,})/part_(\d{5,})\.safetensors$")
+_SIGNATURE_FILE = re.compile(r"^(anchors|deltas)/step_(\d{8,})(\.safetensors|\.manifest\.json)\.sig$")
 
 
 def anchor_path(version: int) -> str:
@@ -60,8 +63,8 @@ def is_manifest(path: str) -> bool:
 
 def parse_step_path(path: str) -> tuple[str, int] | None:
     """Return `("anchor" | "delta", version)` for any file of a version (single file,
-    manifest or part), or None for anything else."""
-    match = _STEP_FILE.match(path) or _PART_FILE.match(path)
+    manifest, part or signature), or None for anything else."""
+    match = _STEP_FILE.match(path) or _PART_FILE.match(path) or _SIGNATURE_FILE.match(path)
     if match is None:
         return None
     kind = "anchor" if match.group(1) == ANCHOR_DIR else "delta"
@@ -91,6 +94,10 @@ def _directory(kind: str) -> str:
     return ANCHOR_DIR if kind == "anchor" else DELTA_DIR
 
 
+#: `latest.json` is a small pointer; anything much larger is not one.
+MAX_LATEST_BYTES = 64 << 10
+
+
 @dataclass(frozen=True)
 class Latest:
     """Contents of `latest.json`: the newest fully stored version and how to reach it.
@@ -98,10 +105,12 @@ class Latest:
     Args:
         version: The newest version whose files are completely stored.
         anchor_version: Version of the newest anchor at or before `version`.
-        delta: Path of the delta producing `version`, or None when `version` has only an anchor.
         anchor: Path of the newest anchor at or before `version`.
+        delta: Path of the delta producing `version`, or None when `version` has only an anchor.
         model_checksum: Digest of the full bf16 state at `version` (see `delta_sync.integrity`).
         run_id: Identifier of the training run that wrote the files.
+        epoch: Identifies the start of the publisher that wrote `version` ("" in files
+            written before epochs existed).
     """
 
     version: int
@@ -110,21 +119,71 @@ class Latest:
     delta: str | None
     model_checksum: str
     run_id: str
+    epoch: str = ""
 
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), indent=2, sort_keys=True).encode() + b"\n"
+    def _fields(self) -> dict:
+        fields = asdict(self)
+        if not self.epoch:
+            del fields["epoch"]
+        return fields
+
+    def _signed_bytes(self) -> bytes:
+        return json.dumps(self._fields(), sort_keys=True, separators=(",", ":")).encode()
+
+    def to_json(self, signing_key: SigningKey | None = None) -> bytes:
+        """The file's bytes; with a key, they carry a signature of the other fields."""
+        fields = self._fields()
+        if signing_key is not None:
+            fields["signature"] = vars(signing_key.sign(LATEST, hashlib.sha256(self._signed_bytes()).hexdigest()))
+        return json.dumps(fields, indent=2, sort_keys=True).encode() + b"\n"
 
     @classmethod
-    def from_json(cls, data: bytes, *, source: str = LATEST) -> Latest:
+    def from_json(cls, data: bytes, *, source: str = LATEST, verify_key: VerifyKey | None = None) -> Latest:
+        """Parse `latest.json`, strictly; with a key, check its signature first.
+
+        Raises:
+            FormatError: Not a valid pointer (the message names the field).
+            SignatureError: `verify_key` is given and the pointer is unsigned or not
+                signed by it.
+        """
+        if len(data) > MAX_LATEST_BYTES:
+            raise FormatError(f"{source}: {len(data)} bytes is too large for a latest.json pointer")
         try:
             fields = json.loads(data)
-            return cls(
-                version=int(fields["version"]),
-                anchor_version=int(fields["anchor_version"]),
-                anchor=str(fields["anchor"]),
-                delta=None if fields.get("delta") is None else str(fields["delta"]),
-                model_checksum=str(fields["model_checksum"]),
-                run_id=str(fields["run_id"]),
-            )
-        except (ValueError, KeyError, TypeError) as exc:
-            raise FormatError(f"{source}: not a valid latest.json pointer ({exc})") from exc
+        except (ValueError, RecursionError) as exc:
+            raise FormatError(f"{source}: not a valid latest.json pointer ({type(exc).__name__})") from None
+        if not isinstance(fields, dict):
+            raise FormatError(f"{source}: not a valid latest.json pointer (not a JSON object)")
+        signature = fields.pop("signature", None)
+        latest = cls(
+            version=_count(fields, "version", source),
+            anchor_version=_count(fields, "anchor_version", source),
+            anchor=_text(fields, "anchor", source),
+            delta=None if fields.get("delta") is None else _text(fields, "delta", source),
+            model_checksum=_text(fields, "model_checksum", source),
+            run_id=_text(fields, "run_id", source),
+            epoch=_text(fields, "epoch", source) if "epoch" in fields else "",
+        )
+        if verify_key is not None:
+            if not isinstance(signature, dict):
+                raise SignatureError(f"{source}: not signed, but this replica only trusts signed versions")
+            try:
+                parsed = FileSignature(**{key: signature[key] for key in ("path", "sha256", "key_id", "signature")})
+            except (KeyError, TypeError):
+                raise FormatError(f"{source}: its 'signature' is malformed") from None
+            verify_key.verify_file(LATEST, hashlib.sha256(latest._signed_bytes()).hexdigest(), parsed)
+        return latest
+
+
+def _count(fields: dict, key: str, source: str) -> int:
+    value = fields.get(key)
+    if type(value) is not int or value < 0:
+        raise FormatError(f"{source}: not a valid latest.json pointer ('{key}' must be a non-negative integer)")
+    return value
+
+
+def _text(fields: dict, key: str, source: str) -> str:
+    value = fields.get(key)
+    if not isinstance(value, str):
+        raise FormatError(f"{source}: not a valid latest.json pointer ('{key}' must be a string)")
+    return value

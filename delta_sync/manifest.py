@@ -13,9 +13,9 @@ update. The manifest is JSON:
 | `format`, `format_version` | `"delta-sync-manifest"`, `"1"` |
 | `kind` | `"anchor"` or `"delta"` |
 | `model_version`, `base_version`, `anchor_version` | as in a single file's metadata |
-| `run_id`, `encoding` | as in a single file's metadata |
+| `run_id`, `epoch`, `encoding` | as in a single file's metadata |
 | `world_size` | ranks that wrote the version (informational) |
-| `parts` | list of `{"path", "rank", "bytes", "payload_xxh3"}` |
+| `parts` | list of `{"path", "rank", "bytes", "payload_xxh3"}`, plus `"sha256"` of the file when signed |
 | `shapes`, `checksums`, `base_checksums` | of the parameters in the version, whole-model values |
 | `model_checksum`, `changed_elements`, `total_elements` | as in a single file's metadata |
 """
@@ -54,12 +54,15 @@ class PartRecord:
         rank: The trainer rank that wrote it.
         bytes: Size of the file.
         payload_xxh3: The payload digest recorded in the part's own metadata.
+        sha256: SHA-256 of the whole file, when the version is signed (the manifest's
+            signature then covers every part).
     """
 
     path: str
     rank: int
     bytes: int
     payload_xxh3: str
+    sha256: str | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class Manifest:
         base_version: Version a delta applies on top of; None for anchors.
         anchor_version: The anchor this version descends from (an anchor's own version).
         run_id: The training run.
+        epoch: The start of the publisher that wrote the version.
         encoding: Encoding of the delta parts (`"dense"` for anchors).
         world_size: Ranks of the trainer that wrote the parts.
         parts: The parts, by rank.
@@ -88,6 +92,7 @@ class Manifest:
     base_version: int | None
     anchor_version: int
     run_id: str
+    epoch: str
     encoding: str
     world_size: int
     parts: tuple[PartRecord, ...]
@@ -107,9 +112,10 @@ class Manifest:
             "base_version": self.base_version,
             "anchor_version": self.anchor_version,
             "run_id": self.run_id,
+            "epoch": self.epoch,
             "encoding": self.encoding,
             "world_size": self.world_size,
-            "parts": [vars(part) for part in self.parts],
+            "parts": [{key: value for key, value in vars(part).items() if value is not None} for part in self.parts],
             "shapes": {name: list(shape) for name, shape in sorted(self.shapes.items())},
             "checksums": {name: format_checksum(v) for name, v in sorted(self.checksums.items())},
             "base_checksums": {name: format_checksum(v) for name, v in sorted(self.base_checksums.items())},
@@ -148,6 +154,7 @@ class Manifest:
             base_version=reader.count("base_version") if kind == "delta" else None,
             anchor_version=reader.count("anchor_version"),
             run_id=reader.text("run_id"),
+            epoch=reader.text("epoch"),
             encoding=reader.text("encoding"),
             world_size=reader.count("world_size"),
             parts=tuple(reader.parts()),
@@ -233,6 +240,7 @@ class _Fields:
                         rank=fields.count("rank"),
                         bytes=fields.count("bytes"),
                         payload_xxh3=fields.text("payload_xxh3"),
+                        sha256=fields.text("sha256") if "sha256" in entry else None,
                     )
                 )
             except FormatError as exc:
@@ -250,6 +258,7 @@ def _header(manifest: Manifest, source: str) -> FileHeader:
         anchor_version=manifest.anchor_version,
         encoding=manifest.encoding,
         run_id=manifest.run_id,
+        epoch=manifest.epoch,
         shapes=dict(manifest.shapes),
         checksums=dict(manifest.checksums),
         base_checksums=dict(manifest.base_checksums),
@@ -306,6 +315,7 @@ def _check_part(manifest: Manifest, record: PartRecord, header: FileHeader, sour
         "base_version": manifest.base_version,
         "anchor_version": manifest.anchor_version,
         "run_id": manifest.run_id,
+        "epoch": manifest.epoch,
         "encoding": manifest.encoding,
         "part": (record.rank, manifest.world_size),
         "payload_digest": record.payload_xxh3,

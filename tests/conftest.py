@@ -63,7 +63,7 @@ def seeded():
 class PublishedRun:
     """A short training run published to a local bucket, with the bf16 state of each version."""
 
-    def __init__(self, root, *, versions: int = 5, anchor_every: int = 3, keep_anchors: int = 2, lr: float = 1e-3):
+    def __init__(self, root, *, versions: int = 5, anchor_every: int = 3, keep_anchors: int = 2, lr: float = 1e-4):
         from delta_sync import BF16ChangeDetector, Publisher
 
         torch.manual_seed(0)

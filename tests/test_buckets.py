@@ -81,7 +81,7 @@ def test_two_publishers_on_one_prefix_cannot_overwrite_each_other(bucket_target)
     publishers = []
     for _ in (1, 2):
         model = TwoTower()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         detector = BF16ChangeDetector(model, optimizer)
         # Both start before either has written anything, so both claim the empty prefix.
         publishers.append((Publisher(bucket_target.url, detector, background=False), model, optimizer, detector))

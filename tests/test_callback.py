@@ -30,7 +30,7 @@ class Owner:
 
 def test_on_log_adds_metrics_to_training_logs_only(tmp_path):
     model = TwoTower()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     sync = DeltaSyncCallback(bucket=str(tmp_path / "bucket"), background=False)
     args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True)
     state, control = TrainerState(), TrainerControl()

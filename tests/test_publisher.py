@@ -67,7 +67,7 @@ def test_retention_keeps_newest_anchors_and_what_follows_them(tmp_path):
 def test_empty_delta_when_nothing_changed(tmp_path):
     torch.manual_seed(0)
     model = TwoTower()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     with BF16ChangeDetector(model, optimizer) as detector:
         publisher = Publisher(tmp_path, detector, background=False)
         train_step(model, optimizer, seed=0)
@@ -90,7 +90,7 @@ def test_versions_must_increase(tmp_path):
 def test_background_publishing_stores_every_version_in_order(tmp_path):
     torch.manual_seed(0)
     model = TwoTower()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     detector = BF16ChangeDetector(model, optimizer)
     seen = []
     publisher = Publisher(tmp_path, detector, anchor_every=4, on_published=[lambda r: seen.append(r.version)])
@@ -109,7 +109,7 @@ def test_background_publishing_stores_every_version_in_order(tmp_path):
 def test_failure_is_raised_at_the_next_publish_and_the_next_version_is_an_anchor(tmp_path):
     torch.manual_seed(0)
     model = TwoTower()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     detector = BF16ChangeDetector(model, optimizer)
     publisher = Publisher(tmp_path, detector, anchor_every=100)
     train_step(model, optimizer, seed=1)
@@ -136,7 +136,7 @@ def test_failure_is_raised_at_the_next_publish_and_the_next_version_is_an_anchor
 def test_failure_is_raised_on_close(tmp_path):
     torch.manual_seed(0)
     model = TwoTower()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     detector = BF16ChangeDetector(model, optimizer)
     publisher = Publisher(tmp_path / "bucket", detector)
     (tmp_path / "bucket").write_text("a file, not a directory")
@@ -151,7 +151,7 @@ def test_a_prefix_holding_another_run_is_refused_unless_overwritten(tmp_path):
     first.close()
     torch.manual_seed(1)
     model = TwoTower()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     detector = BF16ChangeDetector(model, optimizer)
     with pytest.raises(PublishError, match=f"already holds .* of run {first.publisher.run_id}"):
         Publisher(tmp_path, detector)
@@ -181,7 +181,7 @@ def test_resuming_a_run_replaces_its_abandoned_later_versions(tmp_path):
     first.close()
     torch.manual_seed(5)
     model = TwoTower()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     detector = BF16ChangeDetector(model, optimizer)
     # Resumed from a checkpoint taken at step 4: versions 5 and 6 are rewritten.
     publisher = Publisher(tmp_path, detector, run_id=first.publisher.run_id, background=False)
@@ -192,4 +192,23 @@ def test_resuming_a_run_replaces_its_abandoned_later_versions(tmp_path):
     assert 5 in anchors and 6 not in deltas and 6 not in anchors
     receiver, replica = replica_receiver()
     assert receiver.update(tmp_path).version == 5
+    assert_bit_exact(bf16_state(model), bf16_state(replica))
+
+
+def test_a_version_where_most_elements_changed_is_an_anchor_alone(tmp_path):
+    # At lr 1e-2 nearly every element changes: a raw delta (6 bytes per changed element)
+    # would be larger than the anchor (2 bytes per element), and costlier to apply.
+    torch.manual_seed(0)
+    model = TwoTower()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    publisher = Publisher(tmp_path, BF16ChangeDetector(model, optimizer), anchor_every=100, background=False)
+    for version in (1, 2):
+        train_step(model, optimizer, seed=version)
+        publisher.publish(version)
+    publisher.close()
+    report = publisher.reports[-1]
+    assert report.kind == "anchor" and report.delta is None and report.changed_elements * 3 > report.total_elements
+    assert json.loads((tmp_path / "latest.json").read_text())["delta"] is None
+    receiver, replica = replica_receiver()
+    assert receiver.update(tmp_path).version == 2
     assert_bit_exact(bf16_state(model), bf16_state(replica))

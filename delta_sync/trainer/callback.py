@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from ..errors import UnsupportedLayoutError
 from . import trl_vllm
 from .detector import BF16ChangeDetector
 from .publisher import Publisher, PublishReport
@@ -174,6 +175,7 @@ class DeltaSyncCallback(TrainerCallback):
         if model is None or optimizer is None:
             raise RuntimeError("DeltaSyncCallback needs the model and optimizer at train begin")
         config = self.config
+        _refuse_independent_trainers(args, config.bucket)
         # Every rank decides the layout (refusing any that cannot be published exactly) and
         # checks it against the others before anything is written.
         self.detector = BF16ChangeDetector(model, optimizer, snapshot_device=config.snapshot_device)
@@ -299,6 +301,23 @@ class DeltaSyncCallback(TrainerCallback):
     def reports(self) -> list[PublishReport]:
         """Every version published so far (stored ones only, in order)."""
         return [] if self.publisher is None else list(self.publisher.reports)
+
+
+def _refuse_independent_trainers(args: TrainingArguments, bucket: str) -> None:
+    """Refuse N processes of one launch that each train alone (e.g. Accelerate started with
+    torchrun on a CPU host without `use_cpu=True`): each would publish its own trajectory."""
+    import torch.distributed as dist
+
+    trainer_world = getattr(args, "world_size", None)
+    if not (dist.is_available() and dist.is_initialized()) or trainer_world is None:
+        return
+    if trainer_world != dist.get_world_size():
+        raise UnsupportedLayoutError(
+            f"the trainer runs as {trainer_world} process(es) but torch.distributed has {dist.get_world_size()} "
+            f"ranks: each rank would train alone and publish to {bucket}. On a host without accelerators set "
+            "use_cpu=True in the training arguments, or launch with a configuration where Accelerate runs DDP, "
+            "FSDP2 or DeepSpeed"
+        )
 
 
 def _metrics(reports: list[PublishReport]) -> dict[str, float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import queue
@@ -17,11 +18,23 @@ from pathlib import Path
 import torch
 
 from ..errors import DeltaSyncError, PublishError, UnsupportedLayoutError
-from ..format import FileHeader, write_anchor, write_delta
+from ..format import FileHeader, read_file, write_anchor, write_delta
 from ..integrity import add_checksums, model_checksum, tensor_checksum, updated_checksum
-from ..layout import LATEST, Latest, anchor_path, delta_path, manifest_path, parse_step_path, part_path, step_versions
+from ..layout import (
+    LATEST,
+    Latest,
+    anchor_path,
+    delta_path,
+    is_manifest,
+    manifest_path,
+    parse_step_path,
+    part_path,
+    step_versions,
+    version_files,
+)
 from ..manifest import Manifest, PartRecord
 from ..parallel import parallel_map
+from ..signing import SIGNATURE_SUFFIX, SigningKey, file_sha256
 from ..storage import Bucket, open_bucket
 from .detector import BF16ChangeDetector, ChangeSet
 from .ranks import RankGroup
@@ -90,6 +103,7 @@ class _Stored:
     path: str
     bytes: int
     payload_digest: str
+    sha256: str | None = None
 
 
 @dataclass
@@ -143,6 +157,9 @@ class Publisher:
         overwrite: If the bucket prefix already holds another run's files, delete them
             (otherwise that is an error: runs must not share a prefix). A run resumed
             with the same `run_id` continues in place.
+        signing_key: Sign every file replicas act on with this Ed25519 key (a
+            `delta_sync.signing.SigningKey`, or the path or PEM text of one); default: the
+            key `DELTA_SYNC_SIGNING_KEY` names, else unsigned.
 
     Example:
         ```python
@@ -167,6 +184,7 @@ class Publisher:
         run_id: str | None = None,
         on_published: Iterable[Callable[[PublishReport], None]] = (),
         overwrite: bool = False,
+        signing_key: SigningKey | str | os.PathLike | None = None,
     ) -> None:
         if anchor_every < 1:
             raise ValueError(f"anchor_every must be >= 1, got {anchor_every}")
@@ -183,6 +201,13 @@ class Publisher:
         self._ranks = RankGroup(self.layout.world_size if self.parted else 1)
         self.rank = self._ranks.rank
         self.run_id = run_id or uuid.uuid4().hex[:12]
+        #: This start of the publisher: a run resumed in place rewrites versions under a new
+        #: epoch, so replicas and caches never mistake them for the abandoned ones.
+        self.epoch = uuid.uuid4().hex[:8]
+        if signing_key is None:
+            self.signing_key = SigningKey.from_env()
+        else:
+            self.signing_key = signing_key if isinstance(signing_key, SigningKey) else SigningKey.load(signing_key)
         self._resumed_files: list[str] = []
         self._join_prefix(overwrite)
         self._staging = Path(tempfile.mkdtemp(prefix="delta-sync-staging-"))
@@ -213,7 +238,7 @@ class Publisher:
                 self._claim_prefix(overwrite)
             except PublishError as exc:
                 refusal = str(exc)
-        self.run_id, refusal = self._ranks.broadcast((self.run_id, refusal))
+        self.run_id, self.epoch, refusal = self._ranks.broadcast((self.run_id, self.epoch, refusal))
         if refusal is not None:
             raise PublishError(refusal)
 
@@ -221,10 +246,7 @@ class Publisher:
         existing = [path for path in self.bucket.list() if path == LATEST or parse_step_path(path)]
         if not existing:
             return
-        try:
-            owner = Latest.from_json(self.bucket.read_bytes(LATEST)).run_id
-        except DeltaSyncError:
-            owner = None
+        owner = self._owner(existing)
         if owner == self.run_id:
             # Resuming this run: files of versions at or after the first one published now
             # belong to an abandoned trajectory and are replaced then (see `_rewind`).
@@ -239,13 +261,72 @@ class Publisher:
         self.bucket.delete([path for path in existing if path != LATEST])
         self.bucket.delete([LATEST])
 
+    def _owner(self, existing: list[str]) -> str | None:
+        """The run that wrote a prefix's files: `latest.json`'s, or, when a crash came before
+        the first pointer, that of a version file itself."""
+        try:
+            return Latest.from_json(self.bucket.read_bytes(LATEST)).run_id
+        except DeltaSyncError:
+            pass
+        for kind in ("delta", "anchor"):  # deltas first: they are the small ones
+            for path in version_files(existing, kind).values():
+                try:
+                    return self._stored_header(path).run_id
+                except DeltaSyncError:
+                    continue
+        return None
+
+    def _stored_header(self, path: str) -> Manifest | FileHeader:
+        """The header of a stored version file (a manifest, or a single file's metadata)."""
+        if is_manifest(path):
+            return Manifest.from_json(self.bucket.read_bytes(path), source=f"{self.bucket.url}/{path}")
+        with tempfile.TemporaryDirectory(prefix="delta-sync-header-") as tmp:
+            local = Path(tmp) / "file"
+            self.bucket.download(path, local)
+            with read_file(local, source=f"{self.bucket.url}/{path}") as file:
+                return file.header
+
     def _rewind(self, version: int) -> None:
-        """Delete a resumed run's files of `version` and later, before writing `version` again."""
+        """Delete a resumed run's files of `version` and later, before writing `version` again.
+
+        `latest.json` first steps back to the newest complete version before `version` (or
+        goes, if there is none), so that a crash in the middle of the deletions never leaves
+        it naming a file that is gone.
+        """
         stale = [path for path in self._resumed_files if (parse_step_path(path) or ("", 0))[1] >= version]
+        kept = [path for path in self._resumed_files if path not in stale]
         self._resumed_files = []
-        if stale:
-            logger.warning("delta-sync: resuming at v%d, deleting %d later file(s) of this run", version, len(stale))
-            self.bucket.delete(stale)
+        if not stale:
+            return
+        logger.warning("delta-sync: resuming at v%d, deleting %d later file(s) of this run", version, len(stale))
+        retreat = self._newest_complete(kept)
+        if retreat is None:
+            self.bucket.delete([LATEST])
+        else:
+            self.bucket.upload(LATEST, retreat.to_json(self.signing_key))
+        self.bucket.delete(stale)
+
+    def _newest_complete(self, paths: list[str]) -> Latest | None:
+        """The pointer to the newest version that `paths` hold completely (its anchor and the
+        unbroken chain of deltas after it), or None."""
+        anchors, deltas = version_files(paths, "anchor"), version_files(paths, "delta")
+        if not anchors:
+            return None
+        anchor = max(anchors)
+        version = anchor
+        while version + 1 in deltas:
+            version += 1
+        path = deltas[version] if version > anchor else anchors[anchor]
+        header = self._stored_header(path)
+        return Latest(
+            version=version,
+            anchor_version=anchor,
+            anchor=anchors[anchor],
+            delta=deltas[version] if version > anchor else None,
+            model_checksum=header.model_checksum,
+            run_id=header.run_id,
+            epoch=header.epoch,
+        )
 
     # -- caller side -----------------------------------------------------------------
 
@@ -269,13 +350,16 @@ class Publisher:
             PublishError: An earlier background publish failed (on any rank).
             ValueError: `version` does not increase.
         """
-        self._raise_pending_error()
         if self._last_version is not None and version <= self._last_version:
             raise ValueError(f"version {version} must be greater than the last published {self._last_version}")
         started = time.perf_counter()
         change_set = self.detector.changes()
-        write_anchor = self._needs_anchor or self._since_anchor + 1 >= self.anchor_every
-        write_delta = not self._needs_anchor
+        changed = self._raise_pending_error(change_set.changed_elements)
+        # A delta costs 6 bytes per changed element, an anchor 2 per element: past a third
+        # of the model changed, the anchor alone is smaller (and cheaper to apply).
+        dense = 3 * changed > self.layout.total_elements
+        write_anchor = self._needs_anchor or dense or self._since_anchor + 1 >= self.anchor_every
+        write_delta = not (self._needs_anchor or dense)
         if write_anchor:
             # The anchor is written from the detector's snapshot; hold it until then so the
             # next `changes()` cannot move it to a later version first.
@@ -313,18 +397,24 @@ class Publisher:
                 self._worker.join()
             shutil.rmtree(self._staging, ignore_errors=True)
 
-    def _raise_pending_error(self) -> None:
+    def _raise_pending_error(self, changed: int = 0) -> int:
+        """Raise a failure of an earlier version; return the elements changed on all ranks.
+
+        With parts, every rank must take the same decisions (raise; write an anchor), so the
+        ranks pool what they know: a failure any rank knows of counts for all.
+        """
         with self._error_lock:
             error, self._error = self._error, None
         if self.parted:
-            # Every rank must take the same decision (raise, next version an anchor), so a
-            # failure any rank knows of counts for all.
-            failures = [failure for failure in self._ranks.gather(error and str(error), thread="caller") if failure]
+            pooled = self._ranks.gather((error and str(error), changed), thread="caller")
+            failures = [failure for failure, _ in pooled if failure]
+            changed = sum(count for _, count in pooled)
             if failures and error is None:
                 error = PublishError(failures[0])
         if error is not None:
             self._needs_anchor = True
             raise PublishError(f"publishing to {self.bucket.url} failed: {error}") from error
+        return changed
 
     # -- worker side -----------------------------------------------------------------
 
@@ -391,7 +481,8 @@ class Publisher:
                 delta=delta,
                 model_checksum=model_checksum(self._model_checksums),
                 run_id=self.run_id,
-            ).to_json()
+                epoch=self.epoch,
+            ).to_json(self.signing_key)
             self.bucket.upload(LATEST, latest)
             written += len(latest)
             if anchor is not None:
@@ -467,13 +558,14 @@ class Publisher:
         for rank, result in enumerate(results):
             stored = result.delta if kind == "delta" else result.anchor
             if stored is not None:
-                parts.append(PartRecord(stored.path, rank, stored.bytes, stored.payload_digest))
+                parts.append(PartRecord(stored.path, rank, stored.bytes, stored.payload_digest, stored.sha256))
         manifest = Manifest(
             kind=kind,
             version=job.version,
             base_version=self._stored_version if kind == "delta" else None,
             anchor_version=self._anchor_version,
             run_id=self.run_id,
+            epoch=self.epoch,
             encoding="raw" if kind == "delta" else "dense",
             world_size=self.layout.world_size,
             parts=tuple(parts),
@@ -488,7 +580,10 @@ class Publisher:
             ),
             total_elements=self.layout.total_elements,
         )
-        self.bucket.upload(manifest_path(kind, job.version), manifest.to_json(), overwrite=False)
+        data = manifest.to_json()
+        self.bucket.upload(manifest_path(kind, job.version), data, overwrite=False)
+        if self.signing_key is not None:
+            self._upload_signature(manifest_path(kind, job.version), hashlib.sha256(data).hexdigest())
 
     def _version_path(self, kind: str, version: int) -> str:
         if self.parted:
@@ -522,6 +617,7 @@ class Publisher:
             anchor_version=self._anchor_version,
             encoding="raw",
             run_id=self.run_id,
+            epoch=self.epoch,
             shapes={name: change_set.shapes[name] for name in change_set.changes},
             checksums=new_checksums,
             base_checksums=base_checksums,
@@ -568,6 +664,7 @@ class Publisher:
             anchor_version=version,
             encoding="dense",
             run_id=self.run_id,
+            epoch=self.epoch,
             shapes={name: shards[name].global_shape for name in tensors},
             checksums=checksums,
             base_checksums={},
@@ -604,11 +701,18 @@ class Publisher:
         try:
             header = write(staged)
             size = staged.stat().st_size
+            sha256 = file_sha256(staged) if self.signing_key is not None else None
             # Version files are written once: a second trainer on the same prefix fails loudly.
             self.bucket.upload(path, staged, overwrite=False)
         finally:
             staged.unlink(missing_ok=True)
-        return _Stored(path, size, header.payload_digest)
+        if sha256 is not None and not self.parted:  # a part is signed through its manifest
+            self._upload_signature(path, sha256)
+        return _Stored(path, size, header.payload_digest, sha256)
+
+    def _upload_signature(self, path: str, sha256: str) -> None:
+        assert self.signing_key is not None
+        self.bucket.upload(path + SIGNATURE_SUFFIX, self.signing_key.sign(path, sha256).to_json(), overwrite=False)
 
     def _apply_retention(self) -> None:
         anchors = step_versions(self.bucket.list("anchors"), "anchor")

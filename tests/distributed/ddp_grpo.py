@@ -7,6 +7,10 @@ each rank its own prompts, gradients averaged, parameters identical) from two tr
 that merely run side by side.
 
     accelerate launch --config_file CFG --num_processes 2 ddp_grpo.py --bucket DIR --steps 4
+
+With `--forget-use-cpu` it makes a common mistake instead: the trainer's `use_cpu` left
+False on a host without accelerators, where Accelerate then initializes torch.distributed
+but runs every process as its own single-process trainer.
 """
 
 from __future__ import annotations
@@ -27,9 +31,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # The tiny model lives with the examples, the GRPO trainer factory with the tests.
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "tests")]
 
-from trainers import FollowingReplica, grpo_trainer, reward_cats  # noqa: E402
-
 from delta_sync import DeltaSyncCallback  # noqa: E402
+
+from trainers import FollowingReplica, grpo_trainer, reward_cats  # noqa: E402
 
 
 class UnwrappingReplica(FollowingReplica):
@@ -52,6 +56,18 @@ def recording(seen: set[str]):
     return reward
 
 
+def forget_use_cpu() -> None:
+    """Make the GRPOConfig that `grpo_trainer` builds keep `use_cpu=False`."""
+    import trl
+
+    class ForgetfulConfig(trl.GRPOConfig):
+        def __post_init__(self) -> None:
+            self.use_cpu = False
+            super().__post_init__()
+
+    trl.GRPOConfig = ForgetfulConfig
+
+
 def parameters_digest(model: torch.nn.Module) -> str:
     """SHA-256 of every parameter's exact bytes (fp32 masters included), in name order."""
     digest = hashlib.sha256()
@@ -66,7 +82,10 @@ def main() -> None:
     parser.add_argument("--bucket", required=True)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--anchor-every", type=int, default=2)
+    parser.add_argument("--forget-use-cpu", action="store_true")
     args = parser.parse_args()
+    if args.forget_use_cpu:
+        forget_use_cpu()
 
     sync = DeltaSyncCallback(bucket=args.bucket, anchor_every=args.anchor_every)
     replica = UnwrappingReplica(sync, Path(args.bucket))
@@ -95,6 +114,7 @@ def main() -> None:
         **mine,
         "versions": [{"version": step, "exact": exact} for step, exact, _ in replica.results],
         "kinds": [report.kind for report in sync.reports],
+        "changed_elements": [report.changed_elements for report in sync.reports],
         "digests": [seen["digest"] for seen in everyone],
         "prompts_per_rank": [seen["prompts"] for seen in everyone],
         "publishers": sum(seen["publisher"] for seen in everyone),
