@@ -481,18 +481,44 @@ class Anchor(_ClosingFile):
 
 @dataclass
 class Delta(_ClosingFile):
-    """A raw delta, fully loaded and checked by [`read_file`] (deltas are small).
+    """A delta, fully loaded and checked by [`read_file`] (deltas are small).
+
+    A raw delta's changes are read directly. A compact delta's positions and values are
+    coded against the weights the replica holds (see `delta_sync.compact`): its `encoded`
+    entries become changes with [`Delta.decoded`], given those weights.
 
     It holds no open file; it is a context manager only so that code reading either kind of
     file can say `with read_file(path) as file:`.
 
     Args:
         header: The parsed metadata.
-        changes: Parameter name -> the changed elements.
+        changes: Parameter name -> the changed elements (empty until decoded, for a
+            compact delta).
+        encoded: For a compact delta, its stored entries by name; None for a raw delta.
     """
 
     header: FileHeader
     changes: dict[str, SparseChange]
+    encoded: dict[str, torch.Tensor] | None = None
+
+    def decoded(self, previous: Mapping[str, torch.Tensor]) -> Delta:
+        """The delta with its changes decoded against `previous` (the weights before it).
+
+        Raises:
+            FormatError: A coded stream is damaged; the message names the file and tensor.
+        """
+        if self.encoded is None:
+            return self
+        from .compact import decode_changes
+
+        changes = decode_changes(self.encoded, previous, self.header.shapes, source=self.header.source)
+        total = sum(len(change) for change in changes.values())
+        if total != self.header.changed_elements:
+            raise FormatError(
+                f"{self.header.source}: metadata 'changed_elements' is {self.header.changed_elements} but the "
+                f"coded streams hold {total}"
+            )
+        return Delta(header=self.header, changes=changes)
 
 
 def write_anchor(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], header: FileHeader) -> FileHeader:
@@ -512,21 +538,37 @@ def write_anchor(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], h
     return _write(path, dict(tensors), header)
 
 
-def write_delta(path: str | os.PathLike, changes: Mapping[str, SparseChange], header: FileHeader) -> FileHeader:
-    """Write a raw delta file.
+def write_delta(
+    path: str | os.PathLike,
+    changes: Mapping[str, SparseChange],
+    header: FileHeader,
+    previous: Mapping[str, torch.Tensor] | None = None,
+) -> FileHeader:
+    """Write a delta file in the header's encoding.
 
     Args:
         path: Destination on the local filesystem.
-        changes: Parameter name -> changed elements (CPU). Indices are stored as int32, or
-            int64 for parameters of 2^31 elements or more.
+        changes: Parameter name -> changed elements (CPU). Raw deltas store indices as
+            int32, or int64 for parameters of 2^31 elements or more.
         header: Metadata; its `kind` must be `"delta"` and its `shapes` must cover
-            `changes`. Its `payload_digest` is computed here.
+            `changes`. Its `encoding` is `"raw"` or `"compact"`. Its `payload_digest` is
+            computed here.
+        previous: For the compact encoding, the full bf16 tensors before the change (the
+            replica decodes against the same).
 
     Returns:
         The header as written.
     """
     if header.kind != "delta":
         raise ValueError("write_delta needs a header of kind 'delta'")
+    if header.encoding == "compact":
+        from .compact import encode_changes
+
+        if previous is None:
+            raise ValueError("the compact encoding needs the tensors before the change")
+        return _write(path, encode_changes(changes, previous), header)
+    if header.encoding != "raw":
+        raise ValueError(f"unknown delta encoding {header.encoding!r} (known: 'raw', 'compact')")
     return _write(path, raw_delta_tensors(changes, header.shapes), header)
 
 
@@ -593,7 +635,7 @@ def read_file(path: str | os.PathLike, *, source: str | None = None, part_of: st
         if header.part is None and part_of is not None:
             raise FormatError(f"{source}: is named by {part_of} as a part, but is a whole file")
         if header.kind == "delta":
-            return Delta(header=header, changes=_read_delta_changes(handle, header))
+            return _read_delta(handle, header)
         _check_anchor_layout(handle, header)
         stack.pop_all()  # the anchor closes the handle
         return Anchor(header=header, path=Path(path), _handle=handle)
@@ -631,10 +673,38 @@ def _check_anchor_layout(handle: safe_open, header: FileHeader) -> None:
         raise FormatError(f"{header.source}: metadata 'changed_elements' does not match the anchor's tensors")
 
 
-def _read_delta_changes(handle: safe_open, header: FileHeader) -> dict[str, SparseChange]:
-    if header.encoding != "raw":
-        raise FormatError(f"{header.source}: delta encoding {header.encoding!r} is not supported (known: 'raw')")
-    return _read_raw_changes(handle, header)
+def _read_delta(handle: safe_open, header: FileHeader) -> Delta:
+    if header.encoding == "raw":
+        return Delta(header=header, changes=_read_raw_changes(handle, header))
+    if header.encoding == "compact":
+        return Delta(header=header, changes={}, encoded=_read_compact_entries(handle, header))
+    raise FormatError(f"{header.source}: delta encoding {header.encoding!r} is not supported (known: 'raw', 'compact')")
+
+
+def _read_compact_entries(handle: safe_open, header: FileHeader) -> dict[str, torch.Tensor]:
+    from .compact import entry_names
+
+    source = header.source
+    keys = set(handle.keys())
+    expected = {entry for name in header.shapes for entry in entry_names(name)}
+    if keys != expected:
+        missing, extra = sorted(expected - keys), sorted(keys - expected)
+        raise FormatError(f"{source}: tensors do not match 'changed_params' (missing {missing}, unexpected {extra})")
+    entries = {key: handle.get_tensor(key) for key in sorted(keys)}
+    for key, tensor in entries.items():
+        if tensor.dtype != torch.uint8 or tensor.dim() != 1:
+            raise FormatError(f"{source}: {key} must be 1-D uint8, got {tensor.dim()}-D {tensor.dtype}")
+    _check_payload(entries, header)
+    return entries
+
+
+def _check_payload(tensors: Mapping[str, torch.Tensor], header: FileHeader) -> None:
+    digest = payload_digest(tensors.items())
+    if digest != header.payload_digest:
+        raise FormatError(
+            f"{header.source}: payload digest {digest} does not match the recorded {header.payload_digest}; "
+            "the file is damaged"
+        )
 
 
 def _read_raw_changes(handle: safe_open, header: FileHeader) -> dict[str, SparseChange]:
@@ -676,10 +746,5 @@ def _read_raw_changes(handle: safe_open, header: FileHeader) -> dict[str, Sparse
         raise FormatError(
             f"{source}: metadata 'changed_elements' is {header.changed_elements} but the file holds {total}"
         )
-    digest = payload_digest(tensors.items())
-    if digest != header.payload_digest:
-        raise FormatError(
-            f"{source}: payload digest {digest} does not match the recorded {header.payload_digest}; "
-            "the file is damaged"
-        )
+    _check_payload(tensors, header)
     return changes

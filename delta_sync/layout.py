@@ -61,6 +61,11 @@ def is_manifest(path: str) -> bool:
     return path.endswith(MANIFEST_SUFFIX)
 
 
+def is_part(path: str) -> bool:
+    """Whether `path` is one rank's part of a version (applied only through its manifest)."""
+    return _PART_FILE.match(path) is not None
+
+
 def parse_step_path(path: str) -> tuple[str, int] | None:
     """Return `("anchor" | "delta", version)` for any file of a version (single file,
     manifest, part or signature), or None for anything else."""

@@ -217,17 +217,27 @@ def test_a_failed_anchor_commit_demands_an_anchor(run, at_v3):
     assert_bit_exact(run.states[5], bf16_state(replica))
 
 
-def test_update_loads_what_a_failed_catch_up_applied_before_the_failure(run):
+def test_a_failed_catch_up_leaves_the_replica_where_it_was(run):
+    # Deltas 3 and 4 chain from v2, delta 5 is damaged: nothing is applied, not even 3 and 4.
     receiver, replica = replica_receiver()
+    receiver.update(run.root, anchor_path(1))
+    receiver.update(run.root, delta_path(2))
     damaged = bytearray((run.root / delta_path(5)).read_bytes())
     damaged[-3] ^= 0x40  # inside the last tensor's bytes
     (run.root / delta_path(5)).write_bytes(bytes(damaged))
     with pytest.raises(FormatError, match="payload digest"):
         receiver.update(run.root)
-    # As when applying file by file: the anchor before the damaged delta is loaded.
-    assert receiver.pending is None and receiver.version == 4
-    assert_bit_exact(run.states[4], bf16_state(replica))
-    assert_bit_exact(run.states[4], receiver.weights)
+    assert receiver.pending is None and receiver.version == 2
+    assert_bit_exact(run.states[2], bf16_state(replica))
+    assert_bit_exact(run.states[2], receiver.weights)
+    # A fresh replica whose catch-up fails after the anchor loads nothing into the model and
+    # claims no version (an anchor cannot be undone in the snapshot without a second copy).
+    fresh, fresh_replica = replica_receiver()
+    before = bf16_state(fresh_replica)
+    with pytest.raises(FormatError, match="payload digest"):
+        fresh.update(run.root)
+    assert fresh.version is None and fresh.model_checksum is None
+    assert_bit_exact(before, bf16_state(fresh_replica))
 
 
 def test_abort_of_a_noop_update_changes_nothing(run, at_v3):

@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -34,13 +35,15 @@ from ..errors import (
     DeltaSyncError,
     FormatError,
     IntegrityError,
+    SignatureError,
     UntrustedBucketError,
 )
 from ..format import Anchor, Delta, FileHeader, read_file
 from ..integrity import model_checksum, updated_checksum
-from ..layout import LATEST, Latest, is_manifest, parse_step_path, version_files
-from ..manifest import Manifest, read_version
+from ..layout import LATEST, Latest, is_manifest, is_part, parse_step_path, version_files
+from ..manifest import Manifest, PartRecord, read_version
 from ..parallel import parallel_map
+from ..signing import SIGNATURE_SUFFIX, VERIFY_KEY_ENV, FileSignature, VerifyKey, file_sha256
 from ..sparse import gather, scatter_
 from ..storage import Bucket, clean_path, open_bucket
 from ..storage.cache import DownloadCache
@@ -55,6 +58,9 @@ LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], object]
 def module_weight_loader(module: nn.Module) -> LoadWeights:
     """A `load_weights` callable that copies tensors into a module's parameters by name.
 
+    The callable also carries the module's parameter shapes (`expected_shapes`), which a
+    [`Receiver`] given no `expected_shapes` of its own checks anchors against.
+
     Example:
         ```python
         >>> replica = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
@@ -64,10 +70,16 @@ def module_weight_loader(module: nn.Module) -> LoadWeights:
     params = dict(module.named_parameters())
 
     def load_weights(weights: list[tuple[str, torch.Tensor]]) -> None:
+        # Check every tensor before copying any, so a mismatch never half-loads the module.
+        for name, tensor in weights:
+            if name not in params or params[name].shape != tensor.shape:
+                shape = None if name not in params else list(params[name].shape)
+                raise ApplyError(f"cannot load {name!r} of shape {list(tensor.shape)} into the module ({shape})")
         with torch.no_grad():
             for name, tensor in weights:
                 params[name].copy_(tensor)
 
+    load_weights.expected_shapes = expected_shapes_of(module)  # type: ignore[attr-defined]
     return load_weights
 
 
@@ -264,6 +276,10 @@ class Receiver:
             hold exactly these parameters; otherwise the first anchor defines them.
         allowed_buckets: Bucket URL prefixes this receiver may load from; None allows any.
         cache: Where downloads go; a default [`DownloadCache`] when None.
+        verify_key: Apply only versions signed by the trainer's key (a
+            `delta_sync.signing.VerifyKey`, or the path or PEM text of its public key);
+            default: the key `DELTA_SYNC_VERIFY_KEY` names, else the bucket is trusted as is
+            (said once in the log).
 
     Example:
         ```python
@@ -282,9 +298,19 @@ class Receiver:
         expected_shapes: Mapping[str, tuple[int, ...]] | None = None,
         allowed_buckets: Iterable[str] | None = None,
         cache: DownloadCache | None = None,
+        verify_key: VerifyKey | str | os.PathLike | None = None,
     ) -> None:
         self.load_weights = load_weights
+        if expected_shapes is None:
+            expected_shapes = getattr(load_weights, "expected_shapes", None)
         self.expected_shapes = None if expected_shapes is None else {k: tuple(v) for k, v in expected_shapes.items()}
+        if verify_key is None:
+            verify_key = VerifyKey.from_env()
+        elif not isinstance(verify_key, VerifyKey):
+            verify_key = VerifyKey.load(verify_key)
+        self.verify_key: VerifyKey | None = verify_key
+        if verify_key is None:
+            _warn_unsigned_once()
         self.allowed_buckets = None if allowed_buckets is None else [_normalise_url(u) for u in allowed_buckets]
         self.cache = cache or DownloadCache()
         self.weights: dict[str, torch.Tensor] = {}
@@ -292,6 +318,7 @@ class Receiver:
         self.version: int | None = None
         self.anchor_version: int | None = None
         self.run_id: str | None = None
+        self.epoch: str | None = None
         # Why the next update must load an anchor (the model and the snapshot may differ), or None.
         self._anchor_needed: str | None = None
         self._pending: PendingUpdate | None = None
@@ -338,9 +365,10 @@ class Receiver:
 
         Raises:
             DeltaSyncError: The bucket is not allowed, the path escapes it, a file is
-                missing or malformed, or it cannot be applied. The failing file changed
-                nothing; files applied before it (by earlier calls, or earlier in a
-                catch-up) stay in [`pending`] for the caller to commit or abort.
+                missing, malformed, unsigned (with a verify key) or newer than the bucket's
+                `latest.json`, or it cannot be applied. A call that opened the update
+                aborts it (all or nothing); files applied by earlier calls stay in
+                [`pending`] for the caller to commit or abort.
 
         Example:
             ```python
@@ -356,13 +384,15 @@ class Receiver:
             opened_here = self._pending is None
             pending = self._open_pending() if opened_here else self._pending
             try:
+                latest = self._read_latest(opened)
+                self._follow(latest)
                 if path is None:
-                    self._catch_up(opened, pending)
+                    self._catch_up(opened, pending, latest)
                 else:
-                    self._prepare_path(opened, path, pending)
+                    self._prepare_path(opened, path, pending, latest)
             except BaseException:
-                if opened_here and not pending.applied:
-                    pending.abort()
+                if opened_here:
+                    pending.abort()  # all or nothing: a failed catch-up leaves the replica where it was
                 raise
             self._prune_cache(opened)
             return pending
@@ -377,18 +407,15 @@ class Receiver:
 
         Raises:
             DeltaSyncError: The bucket is not allowed, the path escapes it, a file is
-                missing or malformed, or it cannot be applied. The failing file was not
-                applied; files a catch-up applied before it are loaded.
+                missing or malformed, or it cannot be applied. Nothing was applied: the
+                model and, unless an anchor had already replaced it, the snapshot are as
+                they were.
             RuntimeError: An update prepared earlier is still open.
         """
         started = time.perf_counter()
         with self._lock:
             self._refuse_if_pending("update")
-            try:
-                pending = self.prepare(bucket, filename)
-            except BaseException:
-                self._load_what_was_prepared()
-                raise
+            pending = self.prepare(bucket, filename)
             result = pending.commit()
         return dataclasses.replace(result, seconds=time.perf_counter() - started)
 
@@ -435,36 +462,50 @@ class Receiver:
         if self._pending is not None:
             raise RuntimeError(f"an update prepared earlier is still open; commit or abort it before {method}()")
 
-    def _load_what_was_prepared(self) -> None:
-        """After a failed catch-up, load the files applied before the failure, as applying
-        them one at a time would have."""
-        if self._pending is None:
+    def _read_latest(self, bucket: Bucket) -> Latest:
+        source = f"{bucket.url}/{LATEST}"
+        return Latest.from_json(bucket.read_bytes(LATEST), source=source, verify_key=self.verify_key)
+
+    def _follow(self, latest: Latest) -> None:
+        """Notice when the bucket has moved on to another run or another start of it: the
+        held weights are then from an abandoned trajectory, or another run, and only an
+        anchor of the bucket's may replace them."""
+        if self.version is None or (latest.run_id, latest.epoch) == (self.run_id, self.epoch):
             return
-        try:
-            self._pending.commit()
-        except Exception as exc:  # rolled back already; the original error is the one to raise
-            logger.error("delta-sync: loading the files applied before the failure failed too: %s", exc)
+        what = "another run" if latest.run_id != self.run_id else "a restart of the run"
+        logger.warning(
+            "delta-sync: the bucket now holds %s (run %s, epoch %s; held: run %s, epoch %s, v%s)",
+            what,
+            latest.run_id,
+            latest.epoch or "-",
+            self.run_id,
+            self.epoch or "-",
+            self.version,
+        )
+        self._distrust(f"the bucket moved on to {what}")
 
     # -- finding the files --------------------------------------------------------------------
 
-    def _catch_up(self, bucket: Bucket, pending: PendingUpdate) -> None:
+    def _catch_up(self, bucket: Bucket, pending: PendingUpdate, latest: Latest) -> None:
         """Reach the version `latest.json` names; starts over once if a file disappears
         under it (retention)."""
         try:
-            self._catch_up_once(bucket, pending)
+            self._catch_up_once(bucket, pending, latest)
         except BucketFileNotFoundError as exc:
             logger.warning("delta-sync: %s; starting the catch-up over from latest.json", exc)
-            self._catch_up_once(bucket, pending)
+            if pending.applied:
+                pending.abort()
+                self._pending = pending = self._open_pending()
+            self._catch_up_once(bucket, pending, self._read_latest(bucket))
 
-    def _catch_up_once(self, bucket: Bucket, pending: PendingUpdate) -> None:
-        latest = Latest.from_json(bucket.read_bytes(LATEST), source=f"{bucket.url}/{LATEST}")
-        if self._is_stale(latest.version, latest.run_id):
+    def _catch_up_once(self, bucket: Bucket, pending: PendingUpdate, latest: Latest) -> None:
+        if self._is_stale(latest.version, latest.run_id, latest.epoch):
             return
         deltas = {v: path for v, path in version_files(bucket.list("deltas"), "delta").items() if v <= latest.version}
         if self.version is not None and self.run_id == latest.run_id and not self._anchor_needed:
             try:
-                self._prepare_chain(bucket, deltas, self.version, pending)
-            except (BaseVersionError, IntegrityError, FormatError) as exc:
+                self._prepare_chain(bucket, deltas, self.version, pending, latest)
+            except (BaseVersionError, IntegrityError, FormatError, SignatureError) as exc:
                 logger.info("delta-sync: deltas do not lead from v%s to v%d (%s)", self.version, latest.version, exc)
         if self.version != latest.version or self.run_id != latest.run_id:
             anchors = version_files(bucket.list("anchors"), "anchor")
@@ -472,19 +513,22 @@ class Receiver:
             if not usable:
                 raise BucketFileNotFoundError(f"{bucket.url}: no anchor at or before version {latest.version}")
             logger.info("delta-sync: catching up from anchor v%d", usable[-1])
-            self._prepare_path(bucket, anchors[usable[-1]], pending)
-            self._prepare_chain(bucket, deltas, usable[-1], pending)
+            self._prepare_path(bucket, anchors[usable[-1]], pending, latest)
+            self._prepare_chain(bucket, deltas, usable[-1], pending, latest)
         if self.version != latest.version:
             raise ApplyError(
                 f"{bucket.url}: catch-up reached version {self.version}, but latest.json names {latest.version}"
             )
 
-    def _prepare_chain(self, bucket: Bucket, deltas: dict[int, str], after: int, pending: PendingUpdate) -> None:
+    def _prepare_chain(
+        self, bucket: Bucket, deltas: dict[int, str], after: int, pending: PendingUpdate, latest: Latest
+    ) -> None:
         for version in sorted(v for v in deltas if v > after):
-            self._prepare_path(bucket, deltas[version], pending)
+            self._prepare_path(bucket, deltas[version], pending, latest)
 
-    def _prepare_path(self, bucket: Bucket, path: str, pending: PendingUpdate) -> None:
+    def _prepare_path(self, bucket: Bucket, path: str, pending: PendingUpdate, latest: Latest) -> None:
         with self.open_version(bucket, path) as file:
+            _check_against_latest(file.header, latest)
             self._prepare_file(file, pending)
 
     def open_version(self, bucket: Bucket, path: str) -> Anchor | Delta:
@@ -495,12 +539,43 @@ class Receiver:
         `delta_sync.manifest.read_version` raise, and `BucketFileNotFoundError`.
         """
         source = f"{bucket.url}/{path}"
+        if not (path.endswith(".safetensors") or is_manifest(path)):
+            raise FormatError(f"{source}: not an anchor, delta or manifest (expected .safetensors or .manifest.json)")
+        step = None if is_part(path) else parse_step_path(path)
         local = self.cache.fetch(bucket, path)
-        if not is_manifest(path):
-            return read_file(local, source=source)
-        manifest = Manifest.from_json(local.read_bytes(), source=source)
-        parts = [(record, self.cache.fetch(bucket, record.path)) for record in manifest.parts]
-        return read_version(manifest, parts, source=source, base_url=bucket.url)
+        self._check_signature(bucket, path, local)
+        if is_manifest(path):
+            manifest = Manifest.from_json(local.read_bytes(), source=source)
+            parts = [(record, self.cache.fetch(bucket, record.path)) for record in manifest.parts]
+            self._check_parts_signed(manifest, parts, source)
+            file = read_version(manifest, parts, source=source, base_url=bucket.url)
+        else:
+            file = read_file(local, source=source)
+        if step is not None and (file.header.kind, file.header.version) != step:
+            file.close()
+            raise FormatError(
+                f"{source}: holds {file.header.kind} v{file.header.version}, but its path names {step[0]} v{step[1]}"
+            )
+        return file
+
+    def _check_signature(self, bucket: Bucket, path: str, local: Path) -> None:
+        if self.verify_key is None:
+            return
+        source = f"{bucket.url}/{path}{SIGNATURE_SUFFIX}"
+        try:
+            data = bucket.read_bytes(path + SIGNATURE_SUFFIX)
+        except BucketFileNotFoundError:
+            raise SignatureError(
+                f"{bucket.url}/{path}: not signed, but this replica only trusts signed versions"
+            ) from None
+        self.verify_key.verify_file(path, file_sha256(local), FileSignature.from_json(data, source=source))
+
+    def _check_parts_signed(self, manifest: Manifest, parts: list[tuple[PartRecord, Path]], source: str) -> None:
+        if self.verify_key is None:
+            return
+        for record, local in parts:
+            if record.sha256 is None or file_sha256(local) != record.sha256:
+                raise SignatureError(f"{source}: part {record.path} is not the one the signed manifest names")
 
     def _prune_cache(self, bucket: Bucket) -> None:
         """Drop downloads no catch-up from the held version can use: anchors older than the
@@ -532,15 +607,22 @@ class Receiver:
             )
             raise
 
-    def _is_stale(self, version: int, run_id: str) -> bool:
+    def _is_stale(self, version: int, run_id: str, epoch: str) -> bool:
+        """Whether a version is one the receiver already holds or has passed, on the same trajectory."""
         return (
-            self.version is not None and run_id == self.run_id and version <= self.version and not self._anchor_needed
+            self.version is not None
+            and (run_id, epoch) == (self.run_id, self.epoch)
+            and version <= self.version
+            and not self._anchor_needed
         )
 
     def _prepare_delta(self, delta: Delta, pending: PendingUpdate) -> None:
-        if self._is_stale(delta.header.version, delta.header.run_id):
+        header = delta.header
+        if self._is_stale(header.version, header.run_id, header.epoch):
             return
-        self._check_delta_base(delta.header)
+        self._check_delta_base(header)
+        self._check_held(header)
+        delta = delta.decoded(self.weights)
         self._check_delta_tensors(delta)
         old_values, new_checksums = self._verify_delta(delta)
         self._apply_delta(delta, old_values, new_checksums, pending)
@@ -558,6 +640,13 @@ class Receiver:
             raise ApplyError(
                 f"{source}: belongs to run {header.run_id}, but the held weights are from run {self.run_id}"
             )
+        if header.epoch != self.epoch:
+            raise BaseVersionError(
+                f"{source}: written by another start of the run (epoch {header.epoch or '-'}, held: "
+                f"{self.epoch or '-'}); load an anchor of it first",
+                held=self.version,
+                base=header.base_version,
+            )
         if self._anchor_needed:
             raise BaseVersionError(
                 f"{source}: {self._anchor_needed}; load an anchor first", held=self.version, base=header.base_version
@@ -569,10 +658,9 @@ class Receiver:
                 base=header.base_version,
             )
 
-    def _check_delta_tensors(self, delta: Delta) -> None:
-        """Every parameter the delta changes is held, with its shape and the base checksum."""
-        header = delta.header
-        for name in delta.changes:
+    def _check_held(self, header: FileHeader) -> None:
+        """Every parameter the delta changes is held, with its shape."""
+        for name in header.shapes:
             held = self.weights.get(name)
             if held is None:
                 raise ApplyError(f"{header.source}: unknown parameter {name!r}")
@@ -581,6 +669,11 @@ class Receiver:
                     f"{header.source}: parameter {name!r} has shape {list(header.shapes[name])}, "
                     f"held shape is {list(held.shape)}"
                 )
+
+    def _check_delta_tensors(self, delta: Delta) -> None:
+        """Every parameter the delta changes has the base checksum the trainer had."""
+        header = delta.header
+        for name in delta.changes:
             if header.base_checksums[name] != self.checksums[name]:
                 self._distrust(_INTEGRITY_FAILED)
                 raise IntegrityError(
@@ -635,7 +728,7 @@ class Receiver:
         self.version, self.anchor_version = header.version, header.anchor_version
 
     def _prepare_anchor(self, anchor: Anchor, pending: PendingUpdate) -> None:
-        if self._is_stale(anchor.header.version, anchor.header.run_id):
+        if self._is_stale(anchor.header.version, anchor.header.run_id, anchor.header.epoch):
             return
         self._check_anchor(anchor.header)
         anchor.verify()
@@ -643,7 +736,8 @@ class Receiver:
 
     def _check_anchor(self, header: FileHeader) -> None:
         """The anchor holds exactly the expected parameters, with the expected shapes."""
-        expected = self.expected_shapes or ({n: tuple(t.shape) for n, t in self.weights.items()} or None)
+        held = {n: tuple(t.shape) for n, t in self.weights.items()} if self.version is not None else {}
+        expected = self.expected_shapes or held or None
         if expected is None:
             return
         unknown = sorted(set(header.shapes) - set(expected))
@@ -661,6 +755,10 @@ class Receiver:
     def _apply_anchor(self, anchor: Anchor, pending: PendingUpdate) -> None:
         header = anchor.header
         pending._record(header.source, header.names, header.changed_elements, None)
+        if set(self.weights) != set(header.shapes) or any(
+            tuple(t.shape) != header.shapes[n] for n, t in self.weights.items()
+        ):
+            self.weights = {}  # another parameter set (the first anchor, or after an anchor of another model)
         # Copy into the held tensors so memory stays at one snapshot.
         for name, tensor in anchor.items():
             held = self.weights.get(name)
@@ -670,6 +768,7 @@ class Receiver:
                 held.copy_(tensor)
         self.checksums = dict(header.checksums)
         self.version, self.anchor_version, self.run_id = header.version, header.version, header.run_id
+        self.epoch = header.epoch
         self._anchor_needed = None
 
     # -- loading and undoing (for PendingUpdate) ----------------------------------------------
@@ -686,7 +785,7 @@ class Receiver:
             self._distrust("restoring the model after a failed load failed")
             logger.error("delta-sync: restoring the model after a failed load also failed: %s", exc)
 
-    def _restore(self, undo: _DeltaUndo) -> None:
+    def _restore(self, undo: _DeltaUndo) -> None:  # deltas never change run or epoch
         for name, (indices, values) in undo.previous.items():
             scatter_(self.weights[name], indices, values)
         self.checksums.update(undo.checksums)
@@ -695,7 +794,7 @@ class Receiver:
     def _forget(self, reason: str) -> None:
         """Hold no version: the snapshot no longer matches the model nor any version."""
         self.checksums = {}
-        self.version = self.anchor_version = self.run_id = None
+        self.version = self.anchor_version = self.run_id = self.epoch = None
         self._distrust(reason)
 
     def _distrust(self, reason: str) -> None:
@@ -703,6 +802,33 @@ class Receiver:
 
 
 _INTEGRITY_FAILED = "the held weights failed an integrity check"
+
+
+def _check_against_latest(header: FileHeader, latest: Latest) -> None:
+    """A file is never ahead of the bucket's pointer, nor of another trajectory than it."""
+    if header.version > latest.version:
+        raise FormatError(
+            f"{header.source}: claims version {header.version}, past the bucket's latest.json ({latest.version})"
+        )
+    if (header.run_id, header.epoch) != (latest.run_id, latest.epoch):
+        raise ApplyError(
+            f"{header.source}: belongs to run {header.run_id} (epoch {header.epoch or '-'}), but the bucket's "
+            f"latest.json is from run {latest.run_id} (epoch {latest.epoch or '-'})"
+        )
+
+
+_warned_unsigned = False
+
+
+def _warn_unsigned_once() -> None:
+    global _warned_unsigned
+    if not _warned_unsigned:
+        _warned_unsigned = True
+        logger.info(
+            "delta-sync: no verify key (%s): files are trusted as the bucket serves them; set it to accept "
+            "only versions the trainer signed",
+            VERIFY_KEY_ENV,
+        )
 
 
 def _normalise_url(url: str) -> str:

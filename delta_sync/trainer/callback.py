@@ -57,6 +57,11 @@ class DeltaSyncConfig:
             502-504) are retried, with exponential backoff.
         vllm_pause_mode: How requests in flight are treated while tensors load: `"keep"`,
             `"wait"`, `"abort"` (vLLM's `/pause` modes) or None to not pause.
+        encoding: How deltas store their changes: `"raw"` (the published TRL format, 6 bytes
+            per changed element) or `"compact"` (entropy-coded against the weights replicas
+            hold, typically under 1 byte per changed element; single-process and DDP runs).
+        signing_key: Path (or PEM text) of the Ed25519 key that signs every version
+            (`delta-sync keygen`); default: `DELTA_SYNC_SIGNING_KEY`, else unsigned.
         vllm_headers: HTTP headers for every request to the replicas, e.g.
             `{"Authorization": "Bearer hf_..."}` for a private Space.
     """
@@ -77,6 +82,8 @@ class DeltaSyncConfig:
     vllm_retry_seconds: float = 30.0
     vllm_pause_mode: str | None = "keep"
     vllm_headers: dict[str, str] | None = None
+    encoding: str = "raw"
+    signing_key: str | None = None
 
     def __post_init__(self) -> None:
         if self.sync_every < 1:
@@ -195,6 +202,8 @@ class DeltaSyncCallback(TrainerCallback):
             run_id=config.run_id,
             overwrite=config.overwrite,
             on_published=[self._announce],
+            signing_key=config.signing_key,
+            encoding=config.encoding,
         )
         if not state.is_world_process_zero:
             return  # rank 0 alone drives the replicas

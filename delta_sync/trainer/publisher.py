@@ -11,7 +11,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +35,7 @@ from ..layout import (
 from ..manifest import Manifest, PartRecord
 from ..parallel import parallel_map
 from ..signing import SIGNATURE_SUFFIX, SigningKey, file_sha256
+from ..sparse import scatter_
 from ..storage import Bucket, open_bucket
 from .detector import BF16ChangeDetector, ChangeSet
 from .ranks import RankGroup
@@ -160,6 +161,9 @@ class Publisher:
         signing_key: Sign every file replicas act on with this Ed25519 key (a
             `delta_sync.signing.SigningKey`, or the path or PEM text of one); default: the
             key `DELTA_SYNC_SIGNING_KEY` names, else unsigned.
+        encoding: How deltas store their changes: `"raw"` (int32 positions and bf16
+            values, the published TRL format) or `"compact"` (entropy-coded against the
+            weights replicas hold; several times smaller, see `delta_sync.compact`).
 
     Example:
         ```python
@@ -185,6 +189,7 @@ class Publisher:
         on_published: Iterable[Callable[[PublishReport], None]] = (),
         overwrite: bool = False,
         signing_key: SigningKey | str | os.PathLike | None = None,
+        encoding: str = "raw",
     ) -> None:
         if anchor_every < 1:
             raise ValueError(f"anchor_every must be >= 1, got {anchor_every}")
@@ -195,9 +200,17 @@ class Publisher:
         self.anchor_every = anchor_every
         self.keep_anchors = keep_anchors
         self.on_published = list(on_published)
+        if encoding not in ("raw", "compact"):
+            raise ValueError(f"encoding must be 'raw' or 'compact', got {encoding!r}")
+        self.encoding = encoding
         self.layout = detector.layout
         #: Whether versions are written as one part per rank plus a manifest.
         self.parted = self.layout.sharded
+        if self.parted and encoding != "raw":
+            raise ValueError(
+                "the compact encoding is not available for sharded models yet (its codes span whole tensors); "
+                "use encoding='raw'"
+            )
         self._ranks = RankGroup(self.layout.world_size if self.parted else 1)
         self.rank = self._ranks.rank
         self.run_id = run_id or uuid.uuid4().hex[:12]
@@ -360,9 +373,10 @@ class Publisher:
         dense = 3 * changed > self.layout.total_elements
         write_anchor = self._needs_anchor or dense or self._since_anchor + 1 >= self.anchor_every
         write_delta = not (self._needs_anchor or dense)
-        if write_anchor:
-            # The anchor is written from the detector's snapshot; hold it until then so the
-            # next `changes()` cannot move it to a later version first.
+        holds_snapshot = write_anchor or (write_delta and self.encoding == "compact")
+        if holds_snapshot:
+            # An anchor is written from the detector's snapshot, and a compact delta is coded
+            # against it; hold it until then so that the next `changes()` cannot move it on.
             self.detector.snapshot_lock.acquire()
         job = _Job(
             version=version,
@@ -370,7 +384,7 @@ class Publisher:
             write_delta=write_delta,
             write_anchor=write_anchor,
             detect_seconds=time.perf_counter() - started,
-            holds_snapshot_lock=write_anchor,
+            holds_snapshot_lock=holds_snapshot,
         )
         self._last_version = version
         self._since_anchor = 0 if write_anchor else self._since_anchor + 1
@@ -515,6 +529,9 @@ class Publisher:
                 raise PublishError(f"dropped after an earlier failure: {self._error}")
             if job.write_delta:
                 result.delta = self._store_delta(job.version, job.change_set)
+                if not job.write_anchor and job.holds_snapshot_lock:
+                    job.holds_snapshot_lock = False
+                    self.detector.snapshot_lock.release()
             if job.write_anchor:
                 result.anchor = self._store_anchor(job.version, check_chain=job.write_delta)
                 # The snapshot is no longer needed: let training move on before the uploads end.
@@ -615,7 +632,7 @@ class Publisher:
             version=version,
             base_version=self._stored_version,
             anchor_version=self._anchor_version,
-            encoding="raw",
+            encoding=self.encoding,
             run_id=self.run_id,
             epoch=self.epoch,
             shapes={name: change_set.shapes[name] for name in change_set.changes},
@@ -626,7 +643,8 @@ class Publisher:
             total_elements=change_set.total_elements,
             part=self._part(),
         )
-        return self._write_and_upload(path, lambda dest: write_delta(dest, change_set.changes, header))
+        previous = _Before(self.detector.snapshot, change_set) if self.encoding == "compact" else None
+        return self._write_and_upload(path, lambda dest: write_delta(dest, change_set.changes, header, previous))
 
     def _store_anchor(self, version: int, *, check_chain: bool) -> _Stored | None:
         shards = self.layout.shards
@@ -727,6 +745,29 @@ class Publisher:
         paths = [path for path in self.bucket.list("anchors") + self.bucket.list("deltas") if doomed(path)]
         self.bucket.delete(paths)
         logger.info("delta-sync: retention removed %d file(s) older than anchor v%d", len(paths), oldest_kept)
+
+
+class _Before(Mapping[str, torch.Tensor]):
+    """The tensors as they were before a change set, rebuilt one at a time from the advanced
+    snapshot and the old values at the changed positions: a compact delta is coded against
+    them, without a second snapshot of the model."""
+
+    def __init__(self, snapshot: Mapping[str, torch.Tensor], change_set: ChangeSet) -> None:
+        self._snapshot = snapshot
+        self._change_set = change_set
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        before = self._snapshot[name].cpu().clone()
+        change = self._change_set.changes.get(name)
+        if change is not None:
+            scatter_(before, change.indices.long(), self._change_set.old_values[name])
+        return before
+
+    def __iter__(self):
+        return iter(self._snapshot)
+
+    def __len__(self) -> int:
+        return len(self._snapshot)
 
 
 def _human_bytes(size: float) -> str:
