@@ -1,9 +1,13 @@
-"""`Block`: the hyper-rectangle of a parameter that one trainer rank holds and publishes.
+"""`Block`: the part of a parameter that one trainer rank holds and publishes.
 
 Both ends use it: the trainer maps the positions of changed elements in its block to
 positions in the full checkpoint tensor, and a replica puts the blocks of an anchor's parts
-back together. A block's row-major order is the full tensor's order restricted to the
-block, so ascending positions stay ascending.
+back together. A block is either a hyper-rectangle of the full tensor (FSDP2's shards:
+one offset and extent per dimension) or, written with a single dimension for a tensor of
+any other number of dimensions, a contiguous range of the flattened tensor
+(`full.view(-1)`, DeepSpeed ZeRO-3's partitions). A 1-D tensor's blocks are both at once.
+Either way a block's row-major order is the full tensor's order restricted to the block,
+so ascending positions stay ascending.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ class Block:
     """Where a block sits in the full tensor.
 
     Args:
-        offset: Start of the block in each dimension of the full tensor.
+        offset: Start of the block in each dimension of the full tensor; for a flat block
+            (one dimension, full tensor of another number), its start in the flattened tensor.
         shape: Extent of the block in each dimension (a 0 means the block is empty).
 
     Example:
@@ -30,6 +35,9 @@ class Block:
         >>> block = Block(offset=(2, 0), shape=(2, 5))  # rows 2-3 of a (7, 5) tensor
         >>> block.full_positions((7, 5), torch.tensor([0, 6])).tolist()
         [10, 16]
+        >>> flat = Block(offset=(8,), shape=(4,))  # elements 8-11 of the same tensor, row-major
+        >>> flat.full_positions((7, 5), torch.tensor([0, 3])).tolist()
+        [8, 11]
         ```
     """
 
@@ -40,21 +48,54 @@ class Block:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    def is_flat(self, full_shape: tuple[int, ...]) -> bool:
+        """Whether the block is a range of the flattened tensor of `full_shape` (one dimension
+        for a tensor of another number of dimensions)."""
+        return len(self.shape) == 1 and len(full_shape) != 1
+
     def slices(self) -> tuple[slice, ...]:
-        """Index of the block in the full tensor: `full[block.slices()]`."""
+        """Index of a hyper-rectangular block in the full tensor: `full[block.slices()]`.
+        [`region`] also takes flat blocks."""
         return tuple(slice(start, start + size) for start, size in zip(self.offset, self.shape))
+
+    def region(self, full: torch.Tensor) -> torch.Tensor:
+        """The elements of `full` the block covers, as a view to read or assign through.
+
+        Args:
+            full: The full tensor (contiguous, for a flat block).
+
+        Returns:
+            `full[block.slices()]`, or for a flat block the range of `full.view(-1)`.
+        """
+        if self.is_flat(tuple(full.shape)):
+            # view, not reshape: a copy would silently drop writes.
+            return full.view(-1)[self.offset[0] : self.offset[0] + self.shape[0]]
+        return full[self.slices()]
 
     def fits(self, full_shape: tuple[int, ...]) -> bool:
         """Whether the block lies inside a tensor of `full_shape`."""
+        if self.is_flat(full_shape):
+            return (
+                len(self.offset) == 1
+                and 0 <= self.offset[0]
+                and self.offset[0] + self.shape[0] <= math.prod(full_shape)
+            )
         return len(self.offset) == len(self.shape) == len(full_shape) and all(
             0 <= start and 0 <= size and start + size <= dim
             for start, size, dim in zip(self.offset, self.shape, full_shape)
         )
 
     def overlaps(self, other: Block) -> bool:
-        """Whether two non-empty blocks of one tensor share an element."""
+        """Whether two non-empty blocks of one tensor share an element.
+
+        A flat block and a hyper-rectangle of more than one dimension count as overlapping:
+        a tensor's blocks are all of one kind, and mixing them is refused rather than
+        compared element by element.
+        """
         if not self.numel or not other.numel:
             return False
+        if len(self.shape) != len(other.shape):
+            return True
         return all(a < b + n and b < a + m for a, m, b, n in zip(self.offset, self.shape, other.offset, other.shape))
 
     def full_positions(self, full_shape: tuple[int, ...], local: torch.Tensor) -> torch.Tensor:
@@ -70,6 +111,8 @@ class Block:
         positions = local.numpy().astype(np.int64, copy=True)
         if self.shape == full_shape:
             return torch.from_numpy(positions)
+        if self.is_flat(full_shape):
+            return torch.from_numpy(positions + self.offset[0])
         strides = _row_major_strides(full_shape)
         # A block spanning every trailing dimension is one contiguous run of the full tensor.
         if self.shape[1:] == full_shape[1:]:

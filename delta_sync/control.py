@@ -13,11 +13,17 @@ else spells a route, a field, an RPC method or an environment variable of the co
 | 5 | [`Route.RESET_PREFIX_CACHE`], [`Route.RESUME`] | none |
 | 6 | [`Route.COLLECTIVE_RPC`] | `{"method": STATUS_METHOD}`: each worker's [`ReplicaStatus`] |
 
+TRL's delta clients are accepted as they send: `repo_id` for the bucket, and
+`update_kind` / `is_checkpoint_format` describing the file (see [`UpdateInfo.from_dict`]).
+
 Example:
     ```python
     >>> info = UpdateInfo.from_dict({"repo_id": "me/deltas", "filename": "deltas/step_00000002.safetensors"})
     >>> info.bucket
     'hf://buckets/me/deltas'
+    >>> anchor = {"repo_id": "me/deltas", "filename": "anchors/step_00000001.safetensors", "update_kind": "dense"}
+    >>> UpdateInfo.from_dict(anchor).kind
+    'anchor'
     ```
 """
 
@@ -26,7 +32,9 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Literal
+
+from .errors import ApplyError
 
 __all__ = ["ALLOWED_BUCKETS_ENV", "STATUS_METHOD", "ReplicaStatus", "Route", "UpdateInfo"]
 
@@ -39,6 +47,12 @@ STATUS_METHOD = "delta_sync_status"
 
 # A bare `namespace/name`, as the published TRL client sends in `repo_id`: a Hugging Face bucket.
 _HF_BUCKET_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+# TRL's later delta branches say what they upload in `update_kind` (vLLM's own names): a
+# full checkpoint ("dense") is our anchor, a sparse patch ("sparse_flat") our delta.
+_UPDATE_KINDS: dict[str, Literal["anchor", "delta"]] = {"dense": "anchor", "sparse_flat": "delta"}
+_WIRE_KINDS = {kind: wire for wire, kind in _UPDATE_KINDS.items()}
+_KEYS = ("bucket", "repo_id", "filename", "update_kind", "is_checkpoint_format")
 
 
 class Route:
@@ -62,43 +76,122 @@ class UpdateInfo:
             A bare `namespace/name` is read as the Hugging Face bucket `hf://buckets/namespace/name`.
         filename: Path of an anchor or delta inside the bucket; None catches up to the
             bucket's `latest.json`.
+        kind: What the sender says `filename` is (`"anchor"` or `"delta"`), as TRL's clients
+            tell it in `update_kind`; None when it does not say. Our files say what they are
+            in their metadata, and a replica refuses a file that contradicts the sender
+            ([`check_kind`]).
     """
 
     bucket: str
     filename: str | None = None
+    kind: Literal["anchor", "delta"] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.bucket, str) or not self.bucket:
             raise ValueError(f"update_info 'bucket' must be a non-empty string, got {self.bucket!r}")
         if self.filename is not None and not isinstance(self.filename, str):
             raise ValueError(f"update_info 'filename' must be a string, got {self.filename!r}")
+        if self.kind not in (None, *_WIRE_KINDS):
+            raise ValueError(f"UpdateInfo kind must be 'anchor', 'delta' or None, got {self.kind!r}")
+        if self.kind is not None and self.filename is None:
+            # A catch-up applies whatever latest.json needs: anchors and deltas alike.
+            raise ValueError(
+                f"update_info 'update_kind' ({_WIRE_KINDS[self.kind]!r}) describes the file named by 'filename', "
+                "but there is no 'filename' (a catch-up to latest.json)"
+            )
         if _HF_BUCKET_ID.fullmatch(self.bucket):
             object.__setattr__(self, "bucket", f"hf://buckets/{self.bucket}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> UpdateInfo:
-        """Parse a request's `update_info`, accepting `repo_id` as an alias of `bucket`.
+        """Parse a request's `update_info` as delta-sync's trainer and TRL's clients send it.
+
+        Keys (a JSON null is the same as an absent key):
+
+        - `bucket`, or its alias `repo_id` (TRL's name for it).
+        - `filename`.
+        - `update_kind` (TRL's later delta branches): `"dense"` says the file is an anchor,
+          `"sparse_flat"` a delta; kept as [`kind`].
+        - `is_checkpoint_format` (TRL's first delta branch, from vLLM's update info): `true`,
+          weights keyed and shaped as in the checkpoint, is what every anchor and delta is.
+          `false` announces weights already in vLLM's kernel layout, which no delta-sync file
+          holds, and is refused.
 
         Raises:
             ValueError: An unknown key, a missing or conflicting bucket, or a value of the
-                wrong type; the message names the field.
+                wrong type or not understood; the message names the key (and the value).
+
+        Example:
+            ```python
+            >>> UpdateInfo.from_dict({"bucket": "s3://b/run", "filename": "deltas/step_00000003.safetensors"})
+            UpdateInfo(bucket='s3://b/run', filename='deltas/step_00000003.safetensors', kind=None)
+            ```
         """
         if not isinstance(data, Mapping):
             raise ValueError(f"update_info must be a JSON object, got {type(data).__name__}")
-        known = {"bucket", "repo_id", "filename"}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - set(_KEYS))
         if unknown:
-            raise ValueError(f"update_info has unknown key(s) {unknown}; known: {sorted(known)}")
+            raise ValueError(f"update_info has unknown key(s) {unknown}; known: {sorted(_KEYS)}")
         bucket, repo_id = data.get("bucket"), data.get("repo_id")
         if bucket is not None and repo_id is not None and bucket != repo_id:
             raise ValueError(f"update_info names two buckets: bucket={bucket!r}, repo_id={repo_id!r}")
         if bucket is None and repo_id is None:
             raise ValueError("update_info needs 'bucket' (or its alias 'repo_id')")
-        return cls(bucket=bucket if bucket is not None else repo_id, filename=data.get("filename"))
+        _check_checkpoint_format(data.get("is_checkpoint_format"))
+        return cls(
+            bucket=bucket if bucket is not None else repo_id,
+            filename=data.get("filename"),
+            kind=_parse_update_kind(data.get("update_kind")),
+        )
 
     def to_dict(self) -> dict[str, str]:
-        """The JSON body's `update_info`; `filename` only when set."""
-        return {"bucket": self.bucket} if self.filename is None else {"bucket": self.bucket, "filename": self.filename}
+        """The JSON body's `update_info`; `filename` and `update_kind` only when set."""
+        data = {"bucket": self.bucket}
+        if self.filename is not None:
+            data["filename"] = self.filename
+        if self.kind is not None:
+            data["update_kind"] = _WIRE_KINDS[self.kind]
+        return data
+
+    def check_kind(self, kind: str, *, source: str) -> None:
+        """Refuse a file whose own kind (its metadata's) is not the one the sender announced.
+
+        Args:
+            kind: The file's kind, `"anchor"` or `"delta"` (`FileHeader.kind`).
+            source: The file, for the message.
+
+        Raises:
+            ApplyError: The sender said `update_kind` was the other kind.
+        """
+        if self.kind is not None and kind != self.kind:
+            raise ApplyError(
+                f"{source} is {_a(kind)}, but update_info 'update_kind' is {_WIRE_KINDS[self.kind]!r} ({_a(self.kind)})"
+            )
+
+
+def _parse_update_kind(value: Any) -> Literal["anchor", "delta"] | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or value not in _UPDATE_KINDS:
+        understood = ", ".join(f"{wire!r} ({_a(kind)})" for wire, kind in _UPDATE_KINDS.items())
+        raise ValueError(f"update_info 'update_kind' is {value!r}; understood: {understood}")
+    return _UPDATE_KINDS[value]
+
+
+def _a(kind: str) -> str:
+    return f"an {kind}" if kind == "anchor" else f"a {kind}"
+
+
+def _check_checkpoint_format(value: Any) -> None:
+    if value is None or value is True:
+        return
+    if value is False:
+        raise ValueError(
+            "update_info 'is_checkpoint_format' is False (weights already in vLLM's kernel layout), but "
+            "delta-sync files always hold checkpoint-format tensors, loaded through vLLM's layerwise reload; "
+            "send True or leave it out"
+        )
+    raise ValueError(f"update_info 'is_checkpoint_format' must be a boolean, got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -124,7 +124,9 @@ class FileHeader:
             (see `delta_sync.manifest`); None for a whole file. A part's `checksums` are
             its share of each parameter's checksum, and it has no `model_checksum`.
         blocks: For an anchor part, the offset in each parameter's full tensor of the
-            block stored (the stored tensor's shape is the block's).
+            block stored (the stored tensor's shape is the block's). A single offset with a
+            1-D stored tensor, for a parameter of another rank, is a range of the flattened
+            parameter (a DeepSpeed ZeRO-3 partition).
     """
 
     source: str

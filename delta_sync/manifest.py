@@ -388,7 +388,7 @@ class PartedAnchor(_ClosingFile):
         for part in self.parts:
             if name in part.header.shapes:
                 stored = part.tensor(name)
-                full[part.header.block(name, tuple(stored.shape)).slices()] = stored
+                part.header.block(name, tuple(stored.shape)).region(full).copy_(stored)
         return full
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:

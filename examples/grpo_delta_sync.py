@@ -8,6 +8,11 @@ the trainer bit for bit after every sync.
 
     python examples/grpo_delta_sync.py --bucket ./deltas --steps 20
 
+`--model` trains any causal LM checkpoint instead, a Hub id or a local directory (the
+replica is built from the same config with random weights until the first anchor lands):
+
+    python examples/grpo_delta_sync.py --model Qwen/Qwen3-0.6B --bucket ./deltas --steps 5
+
 `--bucket` takes any bucket URL (see docs/buckets.md for the one-time setup):
 
     python examples/grpo_delta_sync.py --bucket hf://buckets/me/deltas/run1
@@ -18,9 +23,10 @@ Then check the bucket on its own:
     delta-sync verify ./deltas
 
 With `--vllm-url`, the trainer generates through a real vLLM server running
-`vllm_ext` (started on the model `--base-model-dir` saved), whose weights follow the
-bucket too: TRL's own NCCL weight sync is replaced, and after every step the server's
-weight checksum is compared with the trainer's.
+`vllm_ext` (started on the model `--base-model-dir` saved, or on `--model`), whose
+weights follow the bucket too: TRL's own NCCL weight sync is replaced, and after every
+step the server's weight checksum is compared with the trainer's. vLLM itself need not be
+installed where this script runs.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 from datasets import Dataset
 from tiny_model import build_tiny_model
-from transformers import TrainerCallback
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from delta_sync import DeltaSyncCallback, Receiver, expected_shapes_of, module_weight_loader
@@ -117,7 +123,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--anchor-every", type=int, default=10, help="full anchor every N versions (default: 10)")
     parser.add_argument("--keep-anchors", type=int, default=2, help="anchors kept in the bucket (default: 2)")
     parser.add_argument("--learning-rate", type=float, default=2e-5, help="AdamW learning rate (default: 2e-5)")
-    parser.add_argument("--base-model-dir", help="also save the generated base model and tokenizer here")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument(
+        "--model", help="train this causal LM checkpoint (a Hub id or a local directory) instead of the tiny one"
+    )
+    source.add_argument("--base-model-dir", help="also save the generated tiny model and tokenizer here")
     parser.add_argument("--vllm-url", help="generate through this vLLM server (running vllm_ext) and sync it too")
     parser.add_argument(
         "--max-staleness",
@@ -133,21 +143,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def load_models(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.nn.Module, object]:
+    """The model to train (fp32 master weights, as most trainers keep them; the bucket carries
+    their bf16 rounding), a bf16 replica of the same architecture with other weights, and
+    the tokenizer."""
+    if args.model is None:
+        model, tokenizer = build_tiny_model(args.base_model_dir, seed=args.seed, dtype=torch.float32)
+        replica, _ = build_tiny_model(seed=args.seed + 1)
+        return model, replica.to(torch.bfloat16), tokenizer
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    torch.manual_seed(args.seed + 1)  # random weights: the replica only matches once the first anchor lands
+    replica = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model), dtype=torch.bfloat16)
+    return model, replica, tokenizer
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     started = time.perf_counter()
 
-    # fp32 master weights, as most trainers keep them; the bucket carries their bf16 rounding.
-    model, tokenizer = build_tiny_model(args.base_model_dir, seed=args.seed, dtype=torch.float32)
     if args.steps == 0:
+        if args.base_model_dir:
+            build_tiny_model(args.base_model_dir, seed=args.seed, dtype=torch.float32)
         print(
             f"saved the base model and tokenizer to {args.base_model_dir}" if args.base_model_dir else "nothing to do"
         )
         return 0
-    replica, _ = build_tiny_model(seed=args.seed + 1)  # different weights until the first anchor lands
-    replica = replica.to(torch.bfloat16)
+    model, replica, tokenizer = load_models(args)
 
     sync = DeltaSyncCallback(
         bucket=args.bucket,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,12 +17,31 @@ SCRIPTS = Path(__file__).parent / "distributed"
 
 
 def torchrun(script: str, ranks: int, *args: str, timeout: float = 600) -> list[dict]:
-    """Run a script on `ranks` processes; returns the JSON each rank printed after `RESULT `."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
-    result = subprocess.run([*command, str(SCRIPTS / script), *args], capture_output=True, text=True, timeout=timeout)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-6000:]
-    return [json.loads(line.split("RESULT ", 1)[1]) for line in result.stdout.splitlines() if "RESULT " in line]
+    """Run a script on `ranks` processes; returns the JSON each rank printed after `RESULT `.
+
+    Each rank's output goes to its own file (torchrun's `--redirects`), so that lines of
+    several ranks never interleave.
+    """
+    with tempfile.TemporaryDirectory(prefix="torchrun-logs-") as logs:
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={ranks}",
+            f"--log-dir={logs}",
+            "--redirects=3",
+        ]
+        result = subprocess.run(
+            [*command, str(SCRIPTS / script), *args], capture_output=True, text=True, timeout=timeout
+        )
+        outputs = {path: path.read_text() for path in Path(logs).rglob("std*.log")}
+    printed = "".join(text for path, text in sorted(outputs.items()) if path.name == "stdout.log")
+    everything = "\n".join(
+        f"--- {path.parent.name}/{path.name}\n{text[-3000:]}" for path, text in sorted(outputs.items())
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:] + everything
+    return [json.loads(line.split("RESULT ", 1)[1]) for line in printed.splitlines() if "RESULT " in line]
 
 
 @pytest.mark.slow

@@ -212,3 +212,24 @@ def test_a_version_where_most_elements_changed_is_an_anchor_alone(tmp_path):
     receiver, replica = replica_receiver()
     assert receiver.update(tmp_path).version == 2
     assert_bit_exact(bf16_state(model), bf16_state(replica))
+
+
+def test_an_anchor_is_written_once_the_deltas_outweigh_the_last_one(tmp_path):
+    torch.manual_seed(0)
+    model = TwoTower()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    publisher = Publisher(
+        tmp_path, BF16ChangeDetector(model, optimizer), anchor_every=1000, anchor_bytes_ratio=0.5, background=False
+    )
+    for version in range(1, 13):
+        train_step(model, optimizer, seed=version)
+        publisher.publish(version)
+    publisher.close()
+    reports = publisher.reports
+    anchors = [r for r in reports if r.anchor]
+    assert len(anchors) >= 2, "deltas of ~10% of the model should outweigh half an anchor within a few versions"
+    anchor_size = reports[0].bytes_written
+    for report in reports:
+        # A replica joining at any version downloads at most one anchor plus half an anchor
+        # of deltas, plus the one delta that crossed the line.
+        assert report.catch_up_bytes <= anchor_size * 1.5 + report.delta_bytes + 1024

@@ -7,6 +7,8 @@ checksums are genuine; faults are injected per route.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import httpx
 import pytest
@@ -140,10 +142,14 @@ def test_refusal_is_a_replica_error_with_fields(run, server, replica):
     assert server.routes()[-1] == Route.RESUME and not server.paused  # resumed anyway
 
 
-def test_open_session_is_finished_then_started_again(run, server, replica, caplog):
+def test_open_session_is_finished_then_started_again(run, server, caplog):
     server.open_session()  # a trainer died between START and FINISH
+    replica = Replica(server.url, retry_seconds=10.0, timeout=30.0, stale_session_seconds=0)
     with caplog.at_level(logging.WARNING, logger="delta_sync"):
-        status = replica.update(bucket_of(run))
+        try:
+            status = replica.update(bucket_of(run))
+        finally:
+            replica.close()
     assert status.version == 5 and not status.updating
     assert server.routes() == [Route.START, Route.COLLECTIVE_RPC, *UPDATE_ROUTES[2:-1], *UPDATE_ROUTES]
     assert statuses_of(server, Route.START) == [500, 200]
@@ -151,11 +157,92 @@ def test_open_session_is_finished_then_started_again(run, server, replica, caplo
 
 
 def test_start_refused_without_open_session_is_raised(run, server, replica):
-    server.add_fault(Route.START, 500, message="no weight transfer engine")
+    server.add_fault(Route.START, 500, count=None, message="no weight transfer engine")
     with pytest.raises(ReplicaError) as refused:
         replica.update(bucket_of(run))
     assert (refused.value.route, refused.value.server_message) == (Route.START, "no weight transfer engine")
-    assert server.routes() == [Route.START, Route.COLLECTIVE_RPC]  # asked, nothing finished
+    # Asked, tried once more (another client's session may have just closed), nothing finished.
+    assert server.routes() == [Route.START, Route.COLLECTIVE_RPC] * 2
+
+
+def test_start_refused_once_by_a_session_that_just_closed_is_tried_again(run, server, replica):
+    server.add_fault(Route.START, 500, count=1, message="a weight update is already active")
+    assert replica.update(bucket_of(run)).version == 5
+    assert server.routes() == [Route.START, Route.COLLECTIVE_RPC, *UPDATE_ROUTES]
+
+
+# -- two clients on one server ------------------------------------------------------------------
+
+
+def update_in_thread(replica: Replica, bucket: str) -> tuple[threading.Thread, dict]:
+    outcome: dict = {}
+
+    def update() -> None:
+        try:
+            outcome["status"] = replica.update(bucket)
+        except Exception as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=update, name="second-client")
+    thread.start()
+    return thread, outcome
+
+
+def wait_for(condition, timeout: float = WAIT_SECONDS) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_a_client_waits_for_another_clients_session_instead_of_ending_it(run, server, replica):
+    """A trainer pushes while a follower catches up: the second waits, then finds the
+    version held (a no-op); the first finishes its own session."""
+    bucket = bucket_of(run)
+    with httpx.Client(base_url=server.url) as first:
+        assert first.post(Route.START).status_code == 200
+        thread, outcome = update_in_thread(replica, bucket)
+        # Refused, then watching the open session: two looks at it, and nothing finished.
+        wait_for(lambda: server.routes().count(Route.COLLECTIVE_RPC) >= 2)
+        assert Route.FINISH not in server.routes()
+        assert first.post(Route.UPDATE, json={"update_info": {"bucket": bucket}}).status_code == 200
+        assert first.post(Route.FINISH).status_code == 200  # its session was still its own
+        thread.join(timeout=WAIT_SECONDS)
+    assert not thread.is_alive() and "error" not in outcome, outcome
+    assert outcome["status"].version == 5 and not outcome["status"].updating
+    assert statuses_of(server, Route.START)[0] == 200 and statuses_of(server, Route.START)[-1] == 200
+    assert set(statuses_of(server, Route.FINISH)) == {200}
+    assert_bit_exact(run.states[5], server.receiver.weights)
+
+
+def test_a_session_that_makes_no_progress_is_finished_after_the_grace(run, server, caplog):
+    server.open_session()  # its client died between START and FINISH
+    replica = Replica(server.url, retry_seconds=5.0, stale_session_seconds=0.3)
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="delta_sync"):
+        try:
+            status = replica.update(bucket_of(run))
+        finally:
+            replica.close()
+    assert time.monotonic() - started >= 0.3
+    assert status.version == 5 and not status.updating
+    routes = server.routes()
+    before_finish = routes[: routes.index(Route.FINISH)]
+    assert before_finish.count(Route.COLLECTIVE_RPC) >= 2  # looked more than once before ending it
+    assert "no progress" in caplog.text
+
+
+def test_a_session_that_stays_open_past_the_wait_is_an_error(run, server):
+    server.open_session()  # another client's, which this one must not end
+    replica = Replica(server.url, retry_seconds=5.0, timeout=0.5, stale_session_seconds=60)
+    try:
+        with pytest.raises(ReplicaError) as busy:
+            replica.update(bucket_of(run))
+    finally:
+        replica.close()
+    assert (busy.value.route, busy.value.status) == (Route.START, 500)
+    assert "still open" in str(busy.value)
+    assert Route.FINISH not in server.routes() and server.updating
 
 
 def test_workers_that_disagree_are_an_error(run):
@@ -218,7 +305,7 @@ def test_replica_that_missed_a_version_catches_up(stepwise):
         replicas = ReplicaSet([steady.url, flaky.url], bucket_of(stepwise), retry_seconds=1.0)
         try:
             assert replicas.wait(announce(replicas, stepwise), timeout=WAIT_SECONDS) == []
-            flaky.add_fault(Route.START, 500, message="engine busy")
+            flaky.add_fault(Route.START, 500, count=2, message="engine busy")  # refused, and again
             stepwise.step()
             behind = replicas.wait(announce(replicas, stepwise), timeout=WAIT_SECONDS)
             assert [state.url for state in behind] == [flaky.url] and "engine busy" in behind[0].error

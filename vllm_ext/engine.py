@@ -4,7 +4,7 @@ Registered with vLLM under the backend name `delta`. Select it with
 `--weight-transfer-config '{"backend": "delta"}'`; the trainer then drives
 `/start_weight_update`, `/update_weights` with
 `{"update_info": {"bucket": URL, "filename": PATH}}` and `/finish_weight_update`
-(see `delta_sync.control`).
+(see `delta_sync.control`; TRL's delta clients' `repo_id` and `update_kind` are accepted).
 
 The engine only maps vLLM's session onto a `delta_sync.Receiver`'s lifecycle:
 
@@ -26,6 +26,7 @@ its own environment with vLLM's pins.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 from collections.abc import Mapping
@@ -45,6 +46,7 @@ from vllm.logger import init_logger
 from delta_sync import Receiver
 from delta_sync.control import ALLOWED_BUCKETS_ENV, UpdateInfo
 from delta_sync.errors import DeltaSyncError
+from delta_sync.storage import clean_path
 
 from .logs import route_delta_sync_logs
 
@@ -63,8 +65,8 @@ class DeltaUpdateInfo(WeightTransferUpdateInfo):
     """The `update_info` of `/update_weights`, as vLLM's typed update info.
 
     Parsed and checked by `delta_sync.control.UpdateInfo`, the contract the trainer side
-    shares: `repo_id` is an alias of `bucket`, and a bare `namespace/name` is a Hugging
-    Face bucket.
+    shares: `repo_id` is an alias of `bucket`, a bare `namespace/name` is a Hugging
+    Face bucket, and TRL's `update_kind` becomes `kind`.
 
     Args:
         bucket: Bucket URL (`file://...`, an absolute path, `hf://buckets/...`, `s3://...`),
@@ -72,14 +74,17 @@ class DeltaUpdateInfo(WeightTransferUpdateInfo):
         filename: Path of an anchor or delta inside the bucket; None catches up to the
             bucket's `latest.json`.
         repo_id: Alias of `bucket`, as the published TRL client sends it.
+        kind: What the sender says `filename` is (`"anchor"` or `"delta"`), or None.
     """
 
     bucket: str | None = None
     filename: str | None = None
     repo_id: InitVar[str | None] = None
+    kind: str | None = None
 
     def __post_init__(self, repo_id: str | None) -> None:
         info = UpdateInfo.from_dict({"bucket": self.bucket, "repo_id": repo_id, "filename": self.filename})
+        info = dataclasses.replace(info, kind=self.kind)
         self.bucket, self.filename = info.bucket, info.filename
 
     @classmethod
@@ -88,10 +93,10 @@ class DeltaUpdateInfo(WeightTransferUpdateInfo):
 
         Raises:
             ValueError: An unknown key, a missing or conflicting bucket, or a value of the
-                wrong type; the message names the field.
+                wrong type or not understood; the message names the key.
         """
         info = UpdateInfo.from_dict(data)
-        return cls(bucket=info.bucket, filename=info.filename)
+        return cls(bucket=info.bucket, filename=info.filename, kind=info.kind)
 
 
 class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateInfo]):
@@ -149,6 +154,7 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
     def receive_weights(self, update_info: DeltaUpdateInfo) -> None:
         applied_before = len(self.receiver.pending.applied) if self.receiver.pending else 0
         try:
+            self._check_kind(update_info)
             pending = self.receiver.prepare(update_info.bucket, update_info.filename)
         except DeltaSyncError as exc:
             raise RuntimeError(f"delta-sync refused the update: {type(exc).__name__}: {exc}") from exc
@@ -179,6 +185,16 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
         return None
 
     # -- helpers ----------------------------------------------------------------------------
+
+    def _check_kind(self, update_info: DeltaUpdateInfo) -> None:
+        """Refuse a file that is not what the sender's `update_kind` says, before applying
+        anything (the file is read through the download cache, which `prepare` then reuses)."""
+        if update_info.kind is None:
+            return
+        info = UpdateInfo(update_info.bucket, update_info.filename, update_info.kind)
+        bucket = self.receiver.check_bucket(info.bucket)
+        with self.receiver.open_version(bucket, clean_path(info.filename)) as file:
+            info.check_kind(file.header.kind, source=file.header.source)
 
     def _abort_session(self) -> None:
         pending, self._updating = self.receiver.pending, False

@@ -13,6 +13,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import ClassVar, TypeVar
 
+import xxhash
+
 from ..errors import (
     BucketConflictError,
     BucketError,
@@ -125,6 +127,36 @@ class Bucket(ABC):
     @abstractmethod
     def delete(self, paths: Iterable[str]) -> None:
         """Delete files; paths that do not exist are ignored."""
+
+    def read_if_changed(self, path: str, tag: str | None) -> tuple[bytes | None, str]:
+        """Return the content of the (small) file at `path`, unless it still has `tag`.
+
+        For pollers such as `delta-sync follow`: keep the tag returned with the content and
+        pass it back next time. Where the store answers conditional requests (S3's ETag,
+        the Hub's Xet hash) an unchanged file costs one small request and no content;
+        elsewhere (this default) the file is read and compared by its digest. Tags are
+        opaque, comparable only with tags of the same bucket and path.
+
+        Args:
+            path: The file, e.g. `latest.json`.
+            tag: The tag returned with the content read last, or None to read in any case.
+
+        Returns:
+            `(None, tag)` when the file is unchanged, else `(content, its tag)`.
+
+        Raises:
+            BucketFileNotFoundError: No file at `path`.
+
+        Example:
+            ```python
+            >>> content, tag = bucket.read_if_changed("latest.json", None)
+            >>> bucket.read_if_changed("latest.json", tag)
+            (None, '...')
+            ```
+        """
+        content = self.read_bytes(path)
+        digest = xxhash.xxh3_128_hexdigest(content)
+        return (None, tag) if digest == tag else (content, digest)
 
     def local_path(self, path: str) -> Path | None:
         """A local filesystem path holding the file, when the bucket is a local directory."""

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import BucketError, BucketNotFoundError, BucketPermissionError
+from ..errors import BucketError, BucketNotFoundError, BucketPermissionError, IncompleteTransfer
 from ..retry import RetryPolicy
 from .base import RemoteBucket, split_bucket_url
 from .progress import show_progress
@@ -126,15 +126,40 @@ class HFBucket(RemoteBucket):
 
         self._run("upload", path, attempt)
 
+    def read_if_changed(self, path: str, tag: str | None) -> tuple[bytes | None, str]:
+        """One paths-info request: the file's Xet hash is its tag; the content is fetched
+        only when the hash differs."""
+        key = self._key(path)
+
+        def attempt() -> tuple[bytes | None, str]:
+            info = self._file_info(key)
+            if info is None:
+                raise self._not_found(path)
+            if info.xet_hash == tag:
+                return None, tag
+            with tempfile.TemporaryDirectory(prefix="delta-sync-read-") as tmp:
+                local = Path(tmp) / "file"
+                self._fetch(info, local)
+                content = local.read_bytes()
+            if len(content) != info.size:
+                raise IncompleteTransfer(f"got {len(content)} of {info.size} bytes")
+            return content, info.xet_hash
+
+        return self._run("read", path, attempt)
+
     # -- store calls ----------------------------------------------------------------------
 
     def _get(self, key: str, tmp: Path, path: str) -> int:
         info = self._file_info(key)
         if info is None:
             raise self._not_found(path)
-        with _hub_progress(show_progress(info.size)):
-            self._api.download_bucket_files(self.bucket_id, [(info, str(tmp))], raise_on_missing_files=True)
+        self._fetch(info, tmp)
         return info.size
+
+    def _fetch(self, info: BucketFile, dest: Path) -> None:
+        """Download the file `info` describes (that content, by its Xet hash) to `dest`."""
+        with _hub_progress(show_progress(info.size)):
+            self._api.download_bucket_files(self.bucket_id, [(info, str(dest))], raise_on_missing_files=True)
 
     def _list_keys(self, under: str) -> list[str]:
         from huggingface_hub import BucketFile

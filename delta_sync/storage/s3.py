@@ -166,6 +166,24 @@ class S3Bucket(RemoteBucket):
         key = self._key(path)
         return self._run("read", path, lambda: self._client.get_object(Bucket=self.name, Key=key)["Body"].read())
 
+    def read_if_changed(self, path: str, tag: str | None) -> tuple[bytes | None, str]:
+        """One GET with `If-None-Match: <ETag>`: an unchanged object is answered 304, with no body."""
+        from botocore.exceptions import ClientError
+
+        key = self._key(path)
+        conditions = {"IfNoneMatch": tag} if tag else {}
+
+        def get() -> tuple[bytes | None, str]:
+            try:
+                response = self._client.get_object(Bucket=self.name, Key=key, **conditions)
+            except ClientError as exc:
+                if _error_status(exc) == 304:
+                    return None, tag
+                raise
+            return response["Body"].read(), response["ETag"]
+
+        return self._run("read", path, get)
+
     # -- store calls ----------------------------------------------------------------------
 
     def _get(self, key: str, tmp: Path, path: str) -> int:

@@ -34,6 +34,9 @@ class DeltaSyncConfig:
         sync_every: Publish a version every this many optimizer steps (the version number
             is the trainer's `global_step`).
         anchor_every: Write a full anchor every this many versions, besides the first.
+        anchor_bytes_ratio: Also write an anchor once the deltas since the last one outweigh
+            this fraction of it, so a replica joining late downloads at most about
+            `1 + anchor_bytes_ratio` anchors' worth. None to count versions only.
         keep_anchors: Anchors to keep in the bucket; older files are deleted.
         background: Encode and upload on a worker thread, overlapping the next step.
         max_pending: Versions that may wait for the worker before training blocks.
@@ -69,6 +72,7 @@ class DeltaSyncConfig:
     bucket: str = "./delta-sync"
     sync_every: int = 1
     anchor_every: int = 10
+    anchor_bytes_ratio: float | None = 1.0
     keep_anchors: int = 2
     background: bool = True
     max_pending: int = 2
@@ -116,7 +120,8 @@ class DeltaSyncCallback(TrainerCallback):
     `logs`, averaged over the versions stored since the last log: `delta/version` (newest),
     `delta/sparsity`, `delta/changed_elements`, `delta/bytes` (all files written),
     `delta/delta_bytes` (the delta file alone), `delta/sync_seconds` (detect + encode +
-    upload), `delta/detect_seconds` (the part that blocks training) and, with replicas,
+    upload), `delta/detect_seconds` (the part that blocks training), `delta/catch_up_bytes`
+    (what a replica joining now downloads: the newest anchor and the deltas after it) and, with replicas,
     `delta/replica_wait_seconds` and `delta/replicas_behind`. transformers hands one `logs`
     dict to its callbacks in turn, so the metrics reach:
 
@@ -196,6 +201,7 @@ class DeltaSyncCallback(TrainerCallback):
             config.bucket,
             self.detector,
             anchor_every=config.anchor_every,
+            anchor_bytes_ratio=config.anchor_bytes_ratio,
             keep_anchors=config.keep_anchors,
             background=config.background,
             max_pending=config.max_pending,
@@ -339,6 +345,7 @@ def _metrics(reports: list[PublishReport]) -> dict[str, float]:
         "delta/delta_bytes": sum(r.delta_bytes for r in reports) / count,
         "delta/sync_seconds": sum(r.detect_seconds + r.publish_seconds for r in reports) / count,
         "delta/detect_seconds": sum(r.detect_seconds for r in reports) / count,
+        "delta/catch_up_bytes": reports[-1].catch_up_bytes,
     }
 
 

@@ -98,17 +98,18 @@ class BF16ChangeDetector:
     skipped steps (no hook fires) cost nothing, and nothing is missed. Parameters stored in
     fp32 are compared through their bf16 rounding (`param.to(torch.bfloat16)`).
 
-    Sharded parameters (FSDP2 `DTensor`s) are compared on this rank's shard only, and the
-    positions reported are those of the full checkpoint tensor (see
-    `delta_sync.trainer.sharding`); nothing is ever gathered. DeepSpeed's optimizers cannot
-    be hooked per parameter: with them every parameter is compared at each [`changes`]
-    call and the caller counts steps with [`record_step`].
+    Sharded parameters (FSDP2 `DTensor`s, DeepSpeed ZeRO-3 partitions) are compared on this
+    rank's shard only, and the positions reported are those of the full checkpoint tensor
+    (see `delta_sync.trainer.sharding`); nothing is ever gathered. DeepSpeed's optimizers
+    cannot be hooked per parameter: with them every parameter is compared at each
+    [`changes`] call and the caller counts steps with [`record_step`].
 
     Memory: the snapshot (2 bytes per element this rank holds) plus, while [`changes`]
     runs, one parameter's mask and bf16 copy at a time.
 
     Args:
-        model: The model being trained (any wrapper: DDP, Accelerate, torch.compile, FSDP2).
+        model: The model being trained (any wrapper: DDP, Accelerate, torch.compile, FSDP2,
+            a DeepSpeed engine).
         optimizer: Its optimizer, or a wrapper of it (e.g. Accelerate's `AcceleratedOptimizer`).
         snapshot_device: Where to keep the snapshot; defaults to each parameter's device.
         layout: How the parameters are spread over ranks; by default
@@ -116,7 +117,7 @@ class BF16ChangeDetector:
 
     Raises:
         UnsupportedLayoutError: The model's layout cannot be published exactly (FSDP1,
-            DeepSpeed ZeRO-3, unsupported `DTensor` placements, ...).
+            unsupported `DTensor` placements, ZeRO-3 offloaded to NVMe, ...).
 
     Example:
         ```python

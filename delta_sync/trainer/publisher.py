@@ -63,6 +63,8 @@ class PublishReport:
         publish_seconds: Time spent encoding, writing and uploading (in the background
             when the publisher is asynchronous).
         model_checksum: Digest of the published weights.
+        catch_up_bytes: What a replica joining now downloads to reach this version: the
+            newest anchor and the deltas after it.
     """
 
     version: int
@@ -77,6 +79,7 @@ class PublishReport:
     detect_seconds: float
     publish_seconds: float
     model_checksum: str
+    catch_up_bytes: int = 0
 
     @property
     def kind(self) -> str:
@@ -147,6 +150,10 @@ class Publisher:
             `s3://...`).
         detector: The change detector of the model being trained.
         anchor_every: Write an anchor every this many versions (and at the first).
+        anchor_bytes_ratio: Also write an anchor once the deltas since the last one add up to
+            more than this fraction of its size, so that a replica joining late never
+            downloads more than about `1 + anchor_bytes_ratio` anchors' worth to catch up.
+            None to count versions only.
         keep_anchors: How many anchors to keep; older anchors and the deltas before the
             oldest kept anchor are deleted.
         background: Encode and upload on a worker thread.
@@ -182,6 +189,7 @@ class Publisher:
         detector: BF16ChangeDetector,
         *,
         anchor_every: int = 10,
+        anchor_bytes_ratio: float | None = 1.0,
         keep_anchors: int = 2,
         background: bool = True,
         max_pending: int = 2,
@@ -198,6 +206,12 @@ class Publisher:
         self.bucket = open_bucket(bucket)
         self.detector = detector
         self.anchor_every = anchor_every
+        if anchor_bytes_ratio is not None and anchor_bytes_ratio <= 0:
+            raise ValueError(f"anchor_bytes_ratio must be > 0 or None, got {anchor_bytes_ratio}")
+        self.anchor_bytes_ratio = anchor_bytes_ratio
+        # Bytes of the newest anchor and of the deltas stored since (all ranks' parts).
+        self._anchor_bytes = 0
+        self._delta_bytes_since_anchor = 0
         self.keep_anchors = keep_anchors
         self.on_published = list(on_published)
         if encoding not in ("raw", "compact"):
@@ -367,11 +381,11 @@ class Publisher:
             raise ValueError(f"version {version} must be greater than the last published {self._last_version}")
         started = time.perf_counter()
         change_set = self.detector.changes()
-        changed = self._raise_pending_error(change_set.changed_elements)
+        changed, catch_up_heavy = self._raise_pending_error(change_set.changed_elements)
         # A delta costs 6 bytes per changed element, an anchor 2 per element: past a third
         # of the model changed, the anchor alone is smaller (and cheaper to apply).
         dense = 3 * changed > self.layout.total_elements
-        write_anchor = self._needs_anchor or dense or self._since_anchor + 1 >= self.anchor_every
+        write_anchor = self._needs_anchor or dense or catch_up_heavy or self._since_anchor + 1 >= self.anchor_every
         write_delta = not (self._needs_anchor or dense)
         holds_snapshot = write_anchor or (write_delta and self.encoding == "compact")
         if holds_snapshot:
@@ -411,24 +425,30 @@ class Publisher:
                 self._worker.join()
             shutil.rmtree(self._staging, ignore_errors=True)
 
-    def _raise_pending_error(self, changed: int = 0) -> int:
-        """Raise a failure of an earlier version; return the elements changed on all ranks.
+    def _raise_pending_error(self, changed: int = 0) -> tuple[int, bool]:
+        """Raise a failure of an earlier version; return the elements changed on all ranks,
+        and whether the deltas since the last anchor outweigh it (time for an anchor).
 
         With parts, every rank must take the same decisions (raise; write an anchor), so the
-        ranks pool what they know: a failure any rank knows of counts for all.
+        ranks pool what they know: a failure any rank knows of counts for all, and rank 0's
+        byte count (the one that sees every part) decides.
         """
         with self._error_lock:
             error, self._error = self._error, None
+        heavy = self.anchor_bytes_ratio is not None and (
+            self._delta_bytes_since_anchor > self.anchor_bytes_ratio * self._anchor_bytes > 0
+        )
         if self.parted:
-            pooled = self._ranks.gather((error and str(error), changed), thread="caller")
-            failures = [failure for failure, _ in pooled if failure]
-            changed = sum(count for _, count in pooled)
+            pooled = self._ranks.gather((error and str(error), changed, heavy), thread="caller")
+            failures = [failure for failure, _, _ in pooled if failure]
+            changed = sum(count for _, count, _ in pooled)
+            heavy = pooled[0][2]
             if failures and error is None:
                 error = PublishError(failures[0])
         if error is not None:
             self._needs_anchor = True
             raise PublishError(f"publishing to {self.bucket.url} failed: {error}") from error
-        return changed
+        return changed, heavy
 
     # -- worker side -----------------------------------------------------------------
 
@@ -502,6 +522,12 @@ class Publisher:
             if anchor is not None:
                 self._apply_retention()
         self._stored_version = job.version
+        delta_bytes = sum(r.delta.bytes for r in results if r.delta is not None)
+        if anchor is not None:
+            self._anchor_bytes = sum(r.anchor.bytes for r in results if r.anchor is not None)
+            self._delta_bytes_since_anchor = 0
+        else:
+            self._delta_bytes_since_anchor += delta_bytes
         return PublishReport(
             version=job.version,
             files=tuple(path for path in (delta, anchor) if path is not None),
@@ -510,11 +536,12 @@ class Publisher:
             changed_elements=sum(sum(r.changed.values()) for r in results if r.changed),
             total_elements=self.layout.total_elements,
             bytes_written=written,
-            delta_bytes=sum(r.delta.bytes for r in results if r.delta is not None),
+            delta_bytes=delta_bytes,
             steps=job.change_set.steps,
             detect_seconds=job.detect_seconds,
             publish_seconds=time.perf_counter() - started,
             model_checksum=model_checksum(self._model_checksums),
+            catch_up_bytes=self._anchor_bytes + self._delta_bytes_since_anchor,
         )
 
     def _store_own_files(self, job: _Job) -> _RankResult:

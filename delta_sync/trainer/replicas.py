@@ -31,6 +31,9 @@ _TRANSIENT_STATUS = frozenset({408, 429, 502, 503, 504})
 
 _PAUSE_MODES = ("keep", "wait", "abort")
 
+#: First and longest wait between looks at another client's open session, in seconds.
+_SESSION_POLL_FIRST, _SESSION_POLL_MAX = 0.1, 2.0
+
 
 def _is_transient(exc: BaseException) -> bool:
     """Whether a request to a replica may succeed if repeated: a connection or timeout
@@ -65,6 +68,12 @@ class Replica:
             `"abort"`, or None to not pause.
         headers: Sent with every request, e.g. `{"Authorization": "Bearer hf_..."}` for a
             private Space.
+        stale_session_seconds: vLLM allows one weight-update session at a time. When
+            another client's session is open (a trainer pushing while `delta-sync follow`
+            catches up), [`update`] waits for it to end, up to `timeout` seconds; only a
+            session that stays open with no progress (the same status) for this long is
+            taken for one left by a client that died, and finished. Keep it above the
+            longest pause of a live client between its requests.
 
     Example:
         ```python
@@ -82,10 +91,15 @@ class Replica:
         retry_seconds: float = 30.0,
         pause_mode: str | None = "keep",
         headers: dict[str, str] | None = None,
+        stale_session_seconds: float = 60.0,
     ) -> None:
         if pause_mode is not None and pause_mode not in _PAUSE_MODES:
             raise ValueError(f"pause_mode must be 'keep', 'wait', 'abort' or None, got {pause_mode!r}")
+        if stale_session_seconds < 0:
+            raise ValueError(f"stale_session_seconds must be >= 0, got {stale_session_seconds}")
         self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.stale_session_seconds = stale_session_seconds
         self.retry_seconds = retry_seconds
         self.retry = _retry_policy(retry_seconds)
         self.pause_mode = pause_mode
@@ -116,23 +130,53 @@ class Replica:
         return self.status()
 
     def _start(self) -> None:
-        try:
-            self._post(Route.START)
-        except ReplicaError as refused:
-            # Refused with an open session: an earlier update was interrupted between
-            # start and finish. Finish it (the replica stays consistent), then start afresh.
-            if refused.status is None or not self._has_open_session():
-                raise
-            logger.warning("delta-sync: %s had an open weight update; finishing it first", self.url)
-            self._finish()
-            self._post(Route.START)
+        """Open a session; wait for another client's open session to end rather than end it."""
+        session = _SessionWait(self.timeout, self.stale_session_seconds)
+        while True:
+            try:
+                self._post(Route.START)
+                return
+            except ReplicaError as refused:
+                if refused.status is None:
+                    raise
+                held = self._open_session()
+                if held is None and session.first_refusal_without_session():
+                    continue  # the session that refused us may have closed since: one more try
+                if held is None:
+                    raise
+                if session.is_stale(held) and not session.expired():
+                    self._finish_stale_session(session)
+                    continue
+                if session.expired():
+                    raise ReplicaError(
+                        f"{self.url}: another client's weight update is still open after "
+                        f"{session.elapsed():.0f} s ({refused.server_message})",
+                        url=self.url,
+                        route=Route.START,
+                        status=refused.status,
+                        server_message=refused.server_message,
+                    ) from refused
+            session.pause()
 
-    def _has_open_session(self) -> bool:
+    def _open_session(self) -> ReplicaStatus | None:
+        """The server's status while a weight-update session is open on it, else None."""
         try:
-            return self.status().updating
+            status = self.status()
         except ReplicaError as exc:
             logger.debug("delta-sync: %s: cannot read its status: %s", self.url, exc)
-            return False
+            return None
+        return status if status.updating else None
+
+    def _finish_stale_session(self, session: _SessionWait) -> None:
+        # No client is driving it any more (it died between start and finish): finishing it
+        # loads what it prepared, so the replica stays consistent, and frees the server.
+        logger.warning(
+            "delta-sync: %s had an open weight update with no progress for %.0f s; finishing it first",
+            self.url,
+            session.stalled(),
+        )
+        self._finish()
+        session.restart()
 
     def _finish(self) -> None:
         """Load the new tensors, with generation paused only meanwhile."""
@@ -229,6 +273,55 @@ def _server_message(response: httpx.Response) -> str:
         if isinstance(error, str):
             return error
     return response.text[:500]
+
+
+class _SessionWait:
+    """How long [`Replica._start`] has waited for another client's session, and whether that
+    session still makes progress.
+
+    Args:
+        limit: Longest wait in all, in seconds.
+        stale_after: Seconds an open session may show the same status before it counts as
+            left behind by a client that died.
+    """
+
+    def __init__(self, limit: float, stale_after: float) -> None:
+        self.limit, self.stale_after = limit, stale_after
+        self.started = time.monotonic()
+        self._seen: ReplicaStatus | None = None
+        self._seen_at = self.started
+        self._wait = _SESSION_POLL_FIRST
+        self._refused_without_session = False
+
+    def first_refusal_without_session(self) -> bool:
+        """True the first time START is refused with no session open, False after that."""
+        first, self._refused_without_session = not self._refused_without_session, True
+        return first
+
+    def is_stale(self, status: ReplicaStatus) -> bool:
+        """Record what the open session looks like now; True once it has not changed for `stale_after`."""
+        if status != self._seen:
+            self._seen, self._seen_at = status, time.monotonic()
+        return self.stalled() >= self.stale_after
+
+    def stalled(self) -> float:
+        """Seconds the open session has shown the same status."""
+        return time.monotonic() - self._seen_at
+
+    def restart(self) -> None:
+        """A stale session was finished: the next one seen is judged afresh."""
+        self._seen = None
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def expired(self) -> bool:
+        return self.elapsed() >= self.limit
+
+    def pause(self) -> None:
+        """Wait before the next look, longer each time, never past the limit."""
+        time.sleep(max(0.0, min(self._wait, self.limit - self.elapsed())))
+        self._wait = min(self._wait * 2, _SESSION_POLL_MAX)
 
 
 # -- several replicas ---------------------------------------------------------------------------

@@ -10,12 +10,15 @@ themselves, and anything not understood is refused:
 | --- | --- | --- |
 | one process, DDP, DeepSpeed ZeRO-1/2 | whole tensors, identical on every rank | rank 0, single files |
 | FSDP2 / HSDP (`fully_shard`) | `DTensor`s with `Shard` / `Replicate` placements | every rank, its own block |
-| FSDP1, DeepSpeed ZeRO-3, `Partial` or strided shards | flattened or partial views | refused |
+| DeepSpeed ZeRO-3 | empty tensors; `ds_tensor` holds this rank's partition | every rank, its own block |
+| FSDP1, `Partial` or strided shards, ZeRO-3 with NVMe offload or MiCS | flattened or partial views | refused |
 
-A rank's *block* of a parameter is a hyper-rectangle of the full tensor: its offset and
-shape per dimension (`torch.chunk` semantics, so the last blocks may be short or empty).
-On a replicated mesh dimension only coordinate 0 publishes, so each element has exactly
-one writer.
+A rank's *block* of a `DTensor` parameter is a hyper-rectangle of the full tensor: its
+offset and shape per dimension (`torch.chunk` semantics, so the last blocks may be short or
+empty). On a replicated mesh dimension only coordinate 0 publishes, so each element has
+exactly one writer. A ZeRO-3 partition is a contiguous range of the flattened parameter
+(`ds_tensor` minus its padding; empty on ranks past the end), so its block is a flat one
+(see [`Block`]). Weights are never gathered: each rank reads its own partition.
 """
 
 from __future__ import annotations
@@ -31,11 +34,12 @@ from torch import nn
 from ..blocks import Block
 from ..errors import UnsupportedLayoutError
 
-__all__ = ["Block", "ModelLayout", "ParamShard", "describe_model", "local_tensor", "verify_across_ranks"]
+__all__ = ["Block", "ModelLayout", "ParamShard", "describe_model", "full_shape", "local_tensor", "verify_across_ranks"]
 
 SUPPORTED = (
     "supported: a single process, DDP, DeepSpeed ZeRO-1/2 (whole parameters on every rank), "
-    "and FSDP2/HSDP (torch.distributed.fsdp.fully_shard, DTensor parameters with Shard/Replicate placements)"
+    "FSDP2/HSDP (torch.distributed.fsdp.fully_shard, DTensor parameters with Shard/Replicate placements) "
+    "and DeepSpeed ZeRO-3 partitioned over all ranks (parameters on the accelerator or offloaded to the CPU)"
 )
 
 
@@ -73,9 +77,10 @@ class ModelLayout:
         shapes: Checkpoint name -> full shape, for every parameter of the model.
         shards: Checkpoint name -> this rank's block, for the parameters whose elements this
             rank publishes (a subset of `shapes`; empty on ranks that publish nothing).
-        sharded: Whether parameters are `DTensor`s spread over ranks (each rank then writes
-            its own part of every version); False when rank 0 holds and publishes whole
-            tensors, as in a single process, DDP or DeepSpeed ZeRO-1/2.
+        sharded: Whether parameters are spread over ranks, as FSDP2 `DTensor`s or ZeRO-3
+            partitions (each rank then writes its own part of every version); False when
+            rank 0 holds and publishes whole tensors, as in a single process, DDP or
+            DeepSpeed ZeRO-1/2.
     """
 
     rank: int
@@ -96,10 +101,21 @@ class ModelLayout:
 
 
 def local_tensor(param: torch.Tensor) -> torch.Tensor:
-    """The data of a parameter held by this rank: a `DTensor`'s local shard, else the tensor."""
+    """The data of a parameter held by this rank: a `DTensor`'s local shard, a ZeRO-3
+    parameter's partition without its padding (1-D), else the tensor."""
     from torch.distributed.tensor import DTensor
 
-    return param.to_local() if isinstance(param, DTensor) else param
+    if isinstance(param, DTensor):
+        return param.to_local()
+    if _is_zero3(param):
+        _, size = _zero3_range(param)
+        return param.ds_tensor.view(-1).narrow(0, 0, size)
+    return param
+
+
+def full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The checkpoint shape of a parameter, also when this rank holds only part of it."""
+    return tuple(int(d) for d in (param.ds_shape if _is_zero3(param) else param.shape))
 
 
 def describe_model(named_parameters: Iterable[tuple[str, nn.Parameter]], model: nn.Module | None = None) -> ModelLayout:
@@ -114,10 +130,10 @@ def describe_model(named_parameters: Iterable[tuple[str, nn.Parameter]], model: 
         The [`ModelLayout`] of this rank.
 
     Raises:
-        UnsupportedLayoutError: FSDP1, DeepSpeed ZeRO-3, a `DTensor` placement other than
-            `Shard`/`Replicate`, a parameter whose shape is not its module's declared shape,
-            or several processes of one job without a process group. The message says what
-            is supported.
+        UnsupportedLayoutError: FSDP1, a `DTensor` placement other than `Shard`/`Replicate`,
+            ZeRO-3 partitions offloaded to NVMe or spread over a subgroup of the ranks, a
+            parameter whose shape is not its module's declared shape, or several processes
+            of one job without a process group. The message says what is supported.
     """
     if model is not None:
         _refuse_flattening_wrappers(model)
@@ -130,7 +146,7 @@ def describe_model(named_parameters: Iterable[tuple[str, nn.Parameter]], model: 
     sharded = False
     for name, param in named_parameters:
         _refuse_partitioned(name, param)
-        shape = tuple(param.shape)
+        shape = full_shape(param)
         expected = declared.get(id(param))
         if expected is not None and shape != expected:
             raise UnsupportedLayoutError(
@@ -139,6 +155,8 @@ def describe_model(named_parameters: Iterable[tuple[str, nn.Parameter]], model: 
             )
         shapes[name] = shape
         block = _dtensor_block(name, param)
+        if block is None:
+            block = _zero3_block(name, param, world_size)
         if block is None:
             if rank == 0:
                 shards[name] = ParamShard(name, shape, Block((0,) * len(shape), shape))
@@ -184,6 +202,62 @@ def _dtensor_block(name: str, param: torch.Tensor) -> Block | None:
     return Block(tuple(int(o) for o in offset), local_shape)
 
 
+def _is_zero3(param: torch.Tensor) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitioned the parameter (it then has a `ds_id`)."""
+    return hasattr(param, "ds_id")
+
+
+def _zero3_range(param: torch.Tensor) -> tuple[int, int]:
+    """Start and length, in the flattened parameter, of the elements this rank's partition holds.
+
+    Every rank's `ds_tensor` has the same length, rank r's starting at r times it; the last
+    partitions are padded past the end of the tensor, or hold nothing but padding.
+    """
+    partition = param.ds_tensor.numel()
+    rank, _ = _zero3_group(param)
+    start = min(partition * rank, param.ds_numel)
+    return start, min(partition, param.ds_numel - start)
+
+
+def _zero3_group(param: torch.Tensor) -> tuple[int, int]:
+    """This rank's position in, and the size of, the group a ZeRO-3 parameter is partitioned over."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return 0, 1
+    group = getattr(param, "ds_process_group", None)
+    return dist.get_rank(group=group), dist.get_world_size(group=group)
+
+
+def _zero3_block(name: str, param: torch.Tensor, world_size: int) -> Block | None:
+    """The flat block a ZeRO-3 parameter's partition holds here; None for another parameter."""
+    if not _is_zero3(param):
+        return None
+    partition = getattr(param, "ds_tensor", None)
+    location = getattr(partition, "final_location", None)
+    if partition is None or getattr(location, "value", location) == "nvme":
+        raise UnsupportedLayoutError(
+            f"parameter {name!r} is partitioned by DeepSpeed ZeRO-3 but its partition is not in memory (NVMe "
+            f"offload?); delta-sync reads each rank's partition where it lies. Offload parameters to the CPU or "
+            f"not at all; {SUPPORTED}"
+        )
+    _, group_size = _zero3_group(param)
+    if group_size != world_size:
+        raise UnsupportedLayoutError(
+            f"parameter {name!r} is partitioned by DeepSpeed ZeRO-3 over {group_size} of the {world_size} ranks "
+            f"(MiCS), so each element has several holders; {SUPPORTED}"
+        )
+    if math.prod(full_shape(param)) != param.ds_numel:
+        raise UnsupportedLayoutError(
+            f"parameter {name!r}: ZeRO-3 says it has {param.ds_numel} elements but shape {list(param.ds_shape)}; "
+            f"{SUPPORTED}"
+        )
+    start, size = _zero3_range(param)
+    if not size:
+        return _NOT_MINE
+    return Block((start,), (size,))
+
+
 def _refuse_flattening_wrappers(model: nn.Module) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -201,12 +275,6 @@ def _refuse_partitioned(name: str, param: torch.Tensor) -> None:
 
     if isinstance(param, FlatParameter) or name.endswith("_flat_param"):
         raise UnsupportedLayoutError(f"parameter {name!r} is an FSDP1 flat parameter; {SUPPORTED}")
-    if hasattr(param, "ds_id") and getattr(param, "ds_numel", param.numel()) != param.numel():
-        raise UnsupportedLayoutError(
-            f"parameter {name!r} is partitioned by DeepSpeed ZeRO-3 (local shape {list(param.shape)}, real shape "
-            f"{list(getattr(param, 'ds_shape', []))}); delta-sync cannot publish ZeRO-3 partitions yet. "
-            f"Use ZeRO-1/2 or FSDP2; {SUPPORTED}"
-        )
 
 
 def _declared_shapes(model: nn.Module) -> dict[int, tuple[int, ...]]:
@@ -254,8 +322,8 @@ def verify_across_ranks(
 
     Every rank must see the same parameter names and full shapes; each parameter's
     elements must be published exactly once over all ranks; and a parameter held whole (not
-    a `DTensor`) must be bit-identical on every rank, as DDP and ZeRO-1/2 keep it. A
-    sharding this module does not recognise (e.g. hand-made tensor parallelism with plain
+    a `DTensor` nor partitioned by ZeRO-3) must be bit-identical on every rank, as DDP and
+    ZeRO-1/2 keep it. A sharding this module does not recognise (e.g. hand-made tensor parallelism with plain
     tensors) fails one of these before anything is written. Exchanges only shapes, counts
     and 64-bit checksums, never weights.
 
@@ -277,7 +345,7 @@ def verify_across_ranks(
     whole = {
         name: tensor_checksum(param.detach().to(torch.bfloat16))
         for name, param in named_parameters
-        if not isinstance(param, DTensor)
+        if not (isinstance(param, DTensor) or _is_zero3(param))
     }
     mine = {
         "shapes": layout.shapes,

@@ -15,6 +15,12 @@ What this module touches in TRL, and nothing else:
   communicator (it builds the public `VLLMClient` from the generator's public `server_*`
   and `group_port` attributes and stores it as `vllm_client`, as TRL does); for every other
   model, mode or trainer it calls TRL's own method unchanged.
+* That client is TRL's own `VLLMClient`, so generation requests and their parsing are
+  TRL's. Its constructor refuses to run unless `vllm` is importable, only because
+  `init_communicator` needs it; a claimed generator never opens a communicator (nor calls
+  `update_named_params`), so the module-level `is_vllm_available` of
+  `trl.generation.vllm_client` answers True for the duration of that one constructor call.
+  The trainer's environment then needs `requests` (TRL's HTTP client) but not vLLM.
 * The claimed generator's public `sync_weights` is replaced by the owner's
   `sync_vllm_weights`, so TRL's own gating still decides when to sync (just before a
   generation, once per optimizer step) and the owner decides how.
@@ -27,7 +33,9 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
 
 from packaging.specifiers import SpecifierSet
@@ -35,6 +43,7 @@ from packaging.version import InvalidVersion, Version
 from torch import nn
 
 if TYPE_CHECKING:
+    from trl.generation.vllm_client import VLLMClient
     from trl.generation.vllm_generation import VLLMGeneration
 
 __all__ = ["SUPPORTED_TRL", "VLLMSyncOwner", "claim"]
@@ -45,6 +54,8 @@ SUPPORTED_TRL = "==1.16.*"
 _claims: weakref.WeakKeyDictionary[nn.Module, VLLMSyncOwner] = weakref.WeakKeyDictionary()
 _install_lock = threading.Lock()
 _installed = False
+# Serialises the constructor calls that see TRL's vLLM check answered for them.
+_client_lock = threading.Lock()
 
 
 class VLLMSyncOwner(Protocol):
@@ -119,10 +130,32 @@ def _wrap(original: Callable[[VLLMGeneration], None]) -> Callable[[VLLMGeneratio
 
 def _connect_without_communicator(generation: VLLMGeneration) -> None:
     """TRL's server-mode set-up minus `init_communicator`: the HTTP client that generates."""
-    from trl.generation.vllm_client import VLLMClient
-
     if generation.accelerator.is_main_process:
         base_url = generation.server_base_url or f"http://{generation.server_host}:{generation.server_port}"
-        generation.vllm_client = VLLMClient(
-            base_url=base_url, group_port=generation.group_port, connection_timeout=generation.server_timeout
-        )
+        generation.vllm_client = _generation_client(base_url, generation.group_port, generation.server_timeout)
+
+
+def _generation_client(base_url: str, group_port: int, connection_timeout: float) -> VLLMClient:
+    """TRL's `VLLMClient`, built whether or not vLLM is installed in this environment.
+
+    Args:
+        base_url: The server's URL.
+        group_port: Passed on as TRL does (unused: no communicator is opened).
+        connection_timeout: Seconds to wait for the server's `/health`.
+    """
+    from trl.generation import vllm_client
+
+    with _client_lock, _vllm_reported_available(vllm_client):
+        return vllm_client.VLLMClient(base_url=base_url, group_port=group_port, connection_timeout=connection_timeout)
+
+
+@contextmanager
+def _vllm_reported_available(module: ModuleType) -> Iterator[None]:
+    """`module.is_vllm_available()` answers True inside the block; the constructor's check only
+    guards the NCCL communicator, which a claimed generator never opens."""
+    original = module.is_vllm_available
+    module.is_vllm_available = lambda min_version=None: True
+    try:
+        yield
+    finally:
+        module.is_vllm_available = original

@@ -82,7 +82,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = build_model(args.fp32_masters, args.model_dir)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     callback = DeltaSyncCallback(bucket=args.bucket, anchor_every=args.anchor_every, background=False)
     state = SimpleNamespace(global_step=0, is_world_process_zero=rank == 0, log_history=[])
     training_args = SimpleNamespace(use_vllm=False)
