@@ -1,10 +1,11 @@
-"""The `delta-sync` command line: inspect a file, verify a bucket.
+"""The `delta-sync` command line: inspect a file, verify a bucket, keep a vLLM server in step.
 
-Both take local paths and bucket URLs (`file://`, `hf://buckets/...`, `s3://...`):
+All take local paths and bucket URLs (`file://`, `hf://buckets/...`, `s3://...`):
 
     delta-sync inspect s3://my-bucket/run1/deltas/step_00000002.safetensors
     delta-sync inspect ./deltas/deltas/step_00000003.manifest.json   (a version written in parts)
     delta-sync verify hf://buckets/me/deltas
+    delta-sync follow hf://buckets/me/deltas --vllm-url http://127.0.0.1:8000
 """
 
 from __future__ import annotations
@@ -12,14 +13,20 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
+import stat
 import sys
 import tempfile
+import threading
+import traceback
 from collections.abc import Sequence
 
-from .errors import BucketPathError, DeltaSyncError
+from .errors import BucketPathError, DeltaSyncError, FormatError
 from .format import Anchor, Delta, read_file
 from .layout import ANCHOR_DIR, DELTA_DIR
 from .manifest import PartedAnchor
+from .replica.follow import Follower
 from .replica.receiver import Receiver
 from .replica.verify import verify_bucket
 from .storage import open_bucket
@@ -32,12 +39,23 @@ def _inspect(args: argparse.Namespace) -> int:
     target = args.file[len("file://") :] if args.file.startswith("file://") else args.file
     located = _locate(target)
     if located is None:  # a file outside any bucket layout: read it as it is
+        _refuse_special_file(target)
         with read_file(target) as file:
             return _describe(args, file)
     bucket, path = located
     with tempfile.TemporaryDirectory(prefix="delta-sync-inspect-") as tmp:
         with Receiver(cache=DownloadCache(tmp)).open_version(open_bucket(bucket), path) as file:
             return _describe(args, file)
+
+
+def _refuse_special_file(target: str) -> None:
+    """A FIFO would block the reader and a device read without end: only regular files are read."""
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        return  # read_file names the missing file
+    if not stat.S_ISREG(mode):
+        raise FormatError(f"{target}: not a regular file (a directory, FIFO or device); nothing read")
 
 
 def _locate(target: str) -> tuple[str, str] | None:
@@ -107,6 +125,28 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _follow(args: argparse.Namespace) -> int:
+    logging.getLogger("delta_sync").setLevel(logging.INFO)  # a line per version, even without -v
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        # Stop between polls, or after the update in flight: never leave a session open.
+        signal.signal(signum, lambda *_: stop.set())
+    max_backoff = args.max_backoff if args.max_backoff is not None else max(120.0, args.interval)
+    with Follower(args.bucket, args.vllm_url, interval=args.interval, max_backoff=max_backoff) as follower:
+        logging.getLogger("delta_sync").info(
+            "delta-sync: following %s for %s", follower.bucket.url, follower.replica.url
+        )
+        follower.run(stop)
+    return 0
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
 def _numel(shape: Sequence[int]) -> int:
     total = 1
     for dim in shape:
@@ -128,6 +168,17 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("bucket", help="bucket URL or local directory")
     verify.add_argument("--json", action="store_true", help="print JSON instead of text")
     verify.set_defaults(run=_verify)
+
+    follow = commands.add_parser(
+        "follow", help="keep a vLLM server at the newest version of a bucket (runs until stopped)"
+    )
+    follow.add_argument("bucket", help="bucket URL or local directory, as the server resolves it")
+    follow.add_argument("--vllm-url", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000")
+    follow.add_argument("--interval", type=_seconds, default=5.0, help="seconds between polls (default 5)")
+    follow.add_argument(
+        "--max-backoff", type=_seconds, help="longest wait after failed polls (default 120, at least --interval)"
+    )
+    follow.set_defaults(run=_follow)
     return parser
 
 
@@ -135,10 +186,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # The reader went away (`delta-sync inspect ... | head`): stop quietly, as Python's
+        # documentation on SIGPIPE advises; stdout goes to devnull so the final flush passes.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except KeyboardInterrupt:
+        return 130
     except DeltaSyncError as exc:
         print(f"delta-sync: error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # hostile input must not end in a traceback (unless -v asks for it)
+        if args.verbose:
+            traceback.print_exc()
+        target = getattr(args, "file", None) or getattr(args, "bucket", None)
+        where = f"{target}: " if target else ""
+        print(f"delta-sync: error: {where}{type(exc).__name__}: {_describe_error(exc)}", file=sys.stderr)
+        return 2
+
+
+def _describe_error(exc: BaseException) -> str:
+    """One line for an error this library did not foresee."""
+    if isinstance(exc, RecursionError):
+        return "input nested too deeply"
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"{exc.strerror or exc}: {exc.filename!r}"
+    return str(exc) or repr(exc)
 
 
 if __name__ == "__main__":

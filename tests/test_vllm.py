@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 
+import httpx
 import pytest
 import torch
 
@@ -30,7 +31,7 @@ EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 class TinyTrainer:
     """A transformers model with fp32 master weights, trained with AdamW and published to a bucket."""
 
-    def __init__(self, model_dir, bucket, *, lr: float = 1e-3, anchor_every: int = 3, keep_anchors: int = 2) -> None:
+    def __init__(self, model_dir, bucket, *, lr: float = 1e-4, anchor_every: int = 3, keep_anchors: int = 2) -> None:
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(0)
@@ -327,3 +328,219 @@ def test_server_reads_deltas_from_a_hugging_face_bucket(vllm_server, served_mode
         assert vllm_server.greedy(PROMPT) == greedy(trainer.reference(), PROMPT)
     finally:
         trainer.close()
+
+
+def test_trl_client_payloads_drive_the_engine(vllm_server, trainer):
+    """TRL's delta clients' `update_info`: accepted when it says what the file is, refused otherwise."""
+    trainer.step()
+    trainer.step()  # an anchor at version 1, a delta at version 2
+
+    def session(update_info: dict):
+        assert vllm_server.post("/start_weight_update").status_code == 200
+        response = vllm_server.post("/update_weights", json={"update_info": update_info})
+        if response.status_code == 200:
+            assert vllm_server.post("/finish_weight_update").status_code == 200
+        return response
+
+    # TRL's later branches: start / update with update_kind / finish.
+    response = session({"repo_id": trainer.bucket, "filename": anchor_path(1), "update_kind": "dense"})
+    assert response.status_code == 200, response.text
+    held = vllm_server.status()
+    assert held["version"] == 1
+    # The announced kind contradicts the file's own metadata: refused, nothing applied.
+    response = session({"repo_id": trainer.bucket, "filename": delta_path(2), "update_kind": "dense"})
+    assert response.status_code >= 400, response.text
+    assert "is a delta, but update_info 'update_kind' is 'dense'" in response.text, response.text
+    assert vllm_server.status() == held
+    # Keys or values not understood: refused, naming them.
+    for extra, message in [({"packed": True}, "unknown key(s) ['packed']"), ({"update_kind": "full"}, "'full'")]:
+        response = session({"repo_id": trainer.bucket, "filename": delta_path(2), **extra})
+        assert response.status_code >= 400 and message in response.text, response.text
+        assert vllm_server.status() == held
+    # TRL's first branch POSTs /update_weights without a session: vLLM refuses it before the engine runs.
+    info = {"repo_id": trainer.bucket, "filename": delta_path(2), "is_checkpoint_format": True}
+    response = vllm_server.post("/update_weights", json={"update_info": info})
+    assert response.status_code >= 400 and "start_weight_update" in response.text, response.text
+    assert vllm_server.status() == held
+    # Its payload inside a session applies.
+    response = session(info)
+    assert response.status_code == 200, response.text
+    status = vllm_server.status()
+    assert status["version"] == 2 and status["model_checksum"] == trainer.checksum()
+
+
+def test_grpo_trainer_from_an_environment_without_vllm(vllm_server, bucket_root):
+    """The trainer extra alone (no vLLM installed) runs GRPOTrainer in server mode against the real server."""
+    import importlib.util
+    import sys
+
+    assert importlib.util.find_spec("vllm") is None, "the test environment must not have vLLM installed"
+    bucket = bucket_root / "no-vllm-trainer"
+    bucket.mkdir()
+    command = [sys.executable, str(REPO / "examples" / "grpo_delta_sync.py"), "--bucket", str(bucket)]
+    command += ["--vllm-url", vllm_server.url, "--steps", "3", "--anchor-every", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=1200, cwd=bucket.parent)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    assert re.search(r"vLLM server checks\s+3\n", output), output[-3000:]
+    assert re.search(r"vLLM server bit-exact\s+yes", output), output[-3000:]
+    assert vllm_server.status()["version"] == 3
+
+
+def test_follow_mode_keeps_the_server_at_the_newest_version(vllm_server, trainer, tmp_path):
+    """`delta-sync follow` beside the server: the trainer never pushes, the server follows
+    the bucket bit-exactly (by checksum), also across versions published between two polls."""
+    import signal
+    import sys
+    import time
+
+    def wait_for_checksum(expected: str, timeout: float = 300.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while (status := vllm_server.status())["model_checksum"] != expected:
+            assert follower.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"server at {status}, not {expected}:\n{log.read_text()[-3000:]}"
+            time.sleep(0.2)
+        return status
+
+    log = tmp_path / "follow.log"
+    command = [sys.executable, "-m", "delta_sync.cli", "follow", trainer.bucket, "--vllm-url", vllm_server.url]
+    with open(log, "wb") as out:
+        follower = subprocess.Popen([*command, "--interval", "0.5"], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(3):
+            trainer.step()
+            status = wait_for_checksum(trainer.checksum())
+            assert status["version"] == trainer.version and not status["updating"]
+        trainer.step()
+        trainer.step()
+        status = wait_for_checksum(trainer.checksum())
+        assert status["version"] == 5 and status["run_id"] == trainer.publisher.run_id
+        assert vllm_server.greedy(PROMPT) == greedy(trainer.reference(), PROMPT)
+    finally:
+        follower.send_signal(signal.SIGTERM)
+        try:
+            follower.wait(timeout=120)
+        finally:
+            if follower.poll() is None:
+                follower.kill()
+                follower.wait()
+    output = log.read_text()
+    assert follower.returncode == 0, output[-3000:]
+    assert "serves version 5" in output and "Traceback" not in output
+
+
+# -- the weight routes behind vllm_ext.auth -------------------------------------------------
+# A second server: the one above stays unguarded for the clients that send no token yet.
+
+API_TOKEN = "test-token-for-weight-routes"
+
+#: POST routes of vLLM 0.32 outside `/v1`-style prefixes that serve inference or health
+#: (vLLM's own `--api-key` question, not ours); any other POST route must be guarded.
+UNGUARDED_POST_ROUTES = {
+    "/tokenize",
+    "/detokenize",
+    "/invocations",
+    "/ping",
+    "/pooling",
+    "/classify",
+    "/score",
+    "/rerank",
+    "/generative_scoring",
+    "/is_scaling_elastic_ep",
+}
+
+
+@pytest.fixture(scope="module")
+def guarded_server(served_model, bucket_root, tmp_path_factory):
+    from vllm_server import VLLMServer
+
+    logs = tmp_path_factory.mktemp("vllm-guarded")
+    server = VLLMServer(
+        served_model,
+        allowed_buckets=bucket_root.as_uri(),
+        log_path=logs / "server.log",
+        cache_dir=logs / "cache",
+        api_token=API_TOKEN,
+    )
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_weight_routes_refuse_requests_without_the_token(guarded_server, trainer):
+    from vllm_server import vllm_ext_auth
+
+    trainer.step()
+    trainer.step()
+    assert guarded_server.update(trainer.bucket, anchor_path(1)).status_code == 200
+    held = guarded_server.status()
+    completion = guarded_server.greedy(PROMPT)
+    # Each route with a body that would change the server if it were accepted.
+    bodies = {
+        "/update_weights": {"json": {"update_info": {"bucket": trainer.bucket, "filename": delta_path(2)}}},
+        "/collective_rpc": {"json": {"method": "reset_weights"}},
+        "/weight_checker": {"json": {"action": "reset"}},
+        "/pause": {"params": {"mode": "abort"}},
+    }
+    for route in sorted(vllm_ext_auth().GUARDED_ROUTES):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-Delta-Sync-Token": "wrong"}):
+            response = guarded_server.post(route, headers=headers, **bodies.get(route, {}))
+            assert response.status_code == 401, (route, headers, response.text)
+    assert guarded_server.status() == held
+    is_paused = httpx.get(f"{guarded_server.url}/is_paused", timeout=30).json()
+    assert is_paused == {"is_paused": False}
+    # Completions are vLLM's own business (--api-key): no token needed, same weights served.
+    response = guarded_server.post(
+        "/v1/completions",
+        headers={},
+        json={"model": str(guarded_server.model_dir), "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0},
+    )
+    assert response.status_code == 200, response.text
+    assert guarded_server.greedy(PROMPT) == completion
+    # With the token the same update goes through.
+    assert guarded_server.update(trainer.bucket, delta_path(2)).status_code == 200
+    assert guarded_server.status()["model_checksum"] == trainer.checksum()
+
+
+def test_every_state_changing_route_of_the_server_is_guarded(guarded_server):
+    from vllm_server import vllm_ext_auth
+
+    paths = httpx.get(f"{guarded_server.url}/openapi.json", timeout=30).json()["paths"]
+    posted = {path for path, methods in paths.items() if {"post", "put", "patch", "delete"} & set(methods)}
+    unexpected = {
+        path
+        for path in posted - vllm_ext_auth().GUARDED_ROUTES - UNGUARDED_POST_ROUTES
+        if not path.startswith(("/v1/", "/v2/", "/inference/", "/cohere/"))
+    }
+    assert not unexpected, f"routes that may change the server are not guarded: {sorted(unexpected)}"
+    assert {"/update_weights", "/collective_rpc", "/pause"} <= posted
+
+
+def test_the_trainer_side_sends_the_token_in_its_headers(guarded_server, trainer):
+    """`DeltaSyncCallback(vllm_headers=...)` hands its headers to `ReplicaSet`, as here."""
+    from delta_sync.errors import ReplicaError
+    from delta_sync.trainer.replicas import Replica
+
+    for _ in range(3):
+        trainer.step()
+    refused = Replica(guarded_server.url, retry_seconds=0)
+    try:
+        with pytest.raises(ReplicaError) as caught:
+            refused.update(trainer.bucket, anchor_path(1))
+        assert caught.value.status == 401 and caught.value.route == "/start_weight_update"
+    finally:
+        refused.close()
+    # A private Space: Authorization carries the Hub token for its proxy, the header ours.
+    headers = {"Authorization": "Bearer hf_for_the_proxy", "X-Delta-Sync-Token": API_TOKEN}
+    for replica_headers in ({"Authorization": f"Bearer {API_TOKEN}"}, headers):
+        replicas = ReplicaSet(
+            [guarded_server.url], trainer.bucket, retry_seconds=1.0, timeout=60, headers=replica_headers
+        )
+        try:
+            report = trainer.publisher.reports[-1]
+            replicas.announce(trainer.version, report.delta, report.model_checksum)
+            assert replicas.wait(trainer.version, timeout=300) == []
+            assert replicas.states[guarded_server.url].model_checksum == trainer.checksum()
+        finally:
+            replicas.close()
+        trainer.step()

@@ -9,6 +9,7 @@ It is built once and reused while its specification is unchanged.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 import httpx
 from filelock import FileLock
@@ -53,6 +55,16 @@ def vllm_python() -> Path:
     return python
 
 
+@functools.cache
+def vllm_ext_auth() -> ModuleType:
+    """`vllm_ext.auth`, loaded from its file: it is plain ASGI, but the `vllm_ext` package
+    imports vLLM, which the test environment lacks."""
+    spec = importlib.util.spec_from_file_location("vllm_ext_auth", REPO / "vllm_ext" / "auth.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -68,6 +80,8 @@ class VLLMServer:
         log_path: Where the server's output goes.
         cache_dir: The replica's download cache.
         extra_env: More environment variables (e.g. `HF_ENDPOINT`).
+        api_token: With a token, the server guards its weight-update and RPC routes with
+            `vllm_ext.auth` (`--middleware`), and [`post`] sends the token.
     """
 
     def __init__(
@@ -79,12 +93,14 @@ class VLLMServer:
         cache_dir: Path,
         extra_env: dict[str, str] | None = None,
         dtype: str = "float32",
+        api_token: str | None = None,
     ) -> None:
         self.model_dir = model_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        token_env = vllm_ext_auth().API_TOKEN_ENV
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", token_env)}
         env.update(
             VLLM_SERVER_DEV_MODE="1",
             VLLM_CPU_KVCACHE_SPACE="1",
@@ -119,6 +135,12 @@ class VLLMServer:
             "--weight-transfer-config",
             '{"backend": "delta"}',
         ]
+        #: Sent with every [`post`] that names no headers of its own.
+        self.headers: dict[str, str] = {}
+        if api_token is not None:
+            self.args += ["--middleware", "vllm_ext.auth.WeightRouteAuthMiddleware"]
+            env[token_env] = api_token
+            self.headers = {"Authorization": f"Bearer {api_token}"}
         self.env = env
         self.process: subprocess.Popen | None = None
 
@@ -159,8 +181,11 @@ class VLLMServer:
 
     # -- requests the tests make ------------------------------------------------------------
 
-    def post(self, route: str, **kwargs) -> httpx.Response:
-        return httpx.post(f"{self.url}{route}", timeout=300, **kwargs)
+    def post(self, route: str, *, headers: dict[str, str] | None = None, **kwargs) -> httpx.Response:
+        """POST to `route` with the server's token, or with exactly `headers` when given."""
+        return httpx.post(
+            f"{self.url}{route}", timeout=300, headers=self.headers if headers is None else headers, **kwargs
+        )
 
     def status(self) -> dict:
         response = self.post("/collective_rpc", json={"method": "delta_sync_status"})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from dataclasses import dataclass, field
 
@@ -9,12 +10,15 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import DeltaSyncError
+from ..format import Anchor, Delta
 from ..layout import LATEST, Latest, version_files
 from ..storage import Bucket, open_bucket
 from ..storage.cache import DownloadCache
 from .receiver import Receiver
 
 __all__ = ["VerifyReport", "VerifyStep", "verify_bucket"]
+
+logger = logging.getLogger("delta_sync")
 
 
 @dataclass(frozen=True)
@@ -57,7 +61,10 @@ def verify_bucket(bucket: Bucket | str, *, progress: bool | None = None) -> Veri
 
     Every delta must apply on top of the version before it with matching checksums; every
     later anchor must equal the replayed state bit for bit; `latest.json` must name the
-    last version reached and its checksum.
+    last version reached and its checksum. A file that fails is reported and the replay
+    goes on: the deltas after it fail against the version held, and the next anchor
+    restarts the chain. Nothing a bucket holds stops the verification early, except a
+    listing that fails.
 
     Args:
         bucket: The bucket or its URL.
@@ -71,11 +78,15 @@ def verify_bucket(bucket: Bucket | str, *, progress: bool | None = None) -> Veri
     try:
         latest = Latest.from_json(opened.read_bytes(LATEST), source=f"{opened.url}/{LATEST}")
         report.latest_version = latest.version
-    except DeltaSyncError as exc:
-        report.add(LATEST, False, str(exc))
+    except Exception as exc:
+        report.add(LATEST, False, _problem(exc))
         latest = None
-    anchors = version_files(opened.list("anchors"), "anchor")
-    deltas = version_files(opened.list("deltas"), "delta")
+    try:
+        anchors = version_files(opened.list("anchors"), "anchor")
+        deltas = version_files(opened.list("deltas"), "delta")
+    except Exception as exc:
+        report.add("anchors/, deltas/", False, f"cannot list the versions: {_problem(exc)}")
+        return report
     if not anchors:
         report.add("anchors/", False, "no anchor in the bucket")
         return report
@@ -108,8 +119,8 @@ def verify_bucket(bucket: Bucket | str, *, progress: bool | None = None) -> Veri
 def _check(report: VerifyReport, receiver: Receiver, bucket: Bucket, path: str, message: str) -> bool:
     try:
         receiver.update(bucket, path)
-    except DeltaSyncError as exc:
-        report.add(path, False, str(exc))
+    except Exception as exc:
+        report.add(path, False, _problem(exc))
         return False
     report.add(path, True, message)
     return True
@@ -118,9 +129,18 @@ def _check(report: VerifyReport, receiver: Receiver, bucket: Bucket, path: str, 
 def _compare_anchor(report: VerifyReport, receiver: Receiver, bucket: Bucket, version: int, path: str) -> None:
     try:
         anchor = receiver.open_version(bucket, path)
-    except DeltaSyncError as exc:
-        report.add(path, False, str(exc))
+    except Exception as exc:
+        report.add(path, False, _problem(exc))
         return
+    try:
+        _compare_open_anchor(report, receiver, bucket, version, path, anchor)
+    except Exception as exc:
+        report.add(path, False, _problem(exc))
+
+
+def _compare_open_anchor(
+    report: VerifyReport, receiver: Receiver, bucket: Bucket, version: int, path: str, anchor: Anchor | Delta
+) -> None:
     with anchor:
         if receiver.version != version or receiver.run_id != anchor.header.run_id:
             # The chain broke before this anchor (e.g. a failed upload); it restarts here.
@@ -136,6 +156,17 @@ def _compare_anchor(report: VerifyReport, receiver: Receiver, bucket: Bucket, ve
         report.add(path, False, f"differs from the replayed state in {differing[:5] or 'its parameter set'}")
     else:
         report.add(path, True, "equals the replayed state bit for bit")
+
+
+def _problem(exc: Exception) -> str:
+    """What a failed check reports: this library's errors as they are; anything else (a
+    file that breaks a parser in an unforeseen way) with its type, so that the
+    verification goes on and names it."""
+    if isinstance(exc, DeltaSyncError):
+        return str(exc)
+    logger.debug("delta-sync: verify: unexpected error", exc_info=True)
+    detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc) or repr(exc)
+    return f"unexpected {type(exc).__name__}: {detail}"
 
 
 def _progress_off(progress: bool | None) -> bool | None:

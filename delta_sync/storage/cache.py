@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
-
-from filelock import FileLock
 
 from .base import Bucket, clean_path
 
 __all__ = ["DownloadCache", "default_cache_dir"]
+
+_LOCK_SUFFIX = ".lock"
 
 
 def default_cache_dir() -> Path:
@@ -22,19 +24,37 @@ def default_cache_dir() -> Path:
 
 
 class DownloadCache:
-    """Fetches bucket files to local disk once per machine.
+    """Fetches bucket files to local disk once per machine, safely shared by processes.
 
     Several processes on one machine (e.g. the tensor-parallel workers of one vLLM
-    server) that fetch the same file wait on a file lock, so only the first downloads
-    it. Files appear in the cache only when complete. Files of a local bucket are used
-    in place, without a copy.
+    server, or several replicas) that fetch the same file wait on a lock, so only the
+    first downloads it. Files appear in the cache only when complete. Files of a local
+    bucket are used in place, without a copy.
+
+    A fetched file is pinned: no process's [`prune`] deletes it until this cache object
+    releases it, at its own next [`prune`] or [`release`]. Each cached file has a lock
+    file next to it (`<file>.lock`); a pin is a shared `flock` on it, and pruning takes it
+    exclusively without waiting, passing over files that are pinned. Locks die with their
+    process, so a crashed reader pins nothing. This relies on POSIX `flock`, which local
+    filesystems and NFS support.
 
     Args:
         root: Cache directory; defaults to [`default_cache_dir`].
+
+    Example:
+        ```python
+        >>> cache = DownloadCache()
+        >>> local = cache.fetch(bucket, "deltas/step_00000002.safetensors")
+        >>> data = local.read_bytes()  # stays on disk whatever other processes prune
+        >>> cache.release()
+        ```
     """
 
     def __init__(self, root: str | os.PathLike | None = None) -> None:
         self.root = Path(root) if root is not None else default_cache_dir()
+        # Cached file -> descriptor of its lock file, held shared while pinned.
+        self._pins: dict[Path, int] = {}
+        self._pins_lock = threading.Lock()
 
     def _bucket_dir(self, bucket: Bucket) -> Path:
         return self.root / hashlib.sha256(bucket.url.encode()).hexdigest()[:16]
@@ -42,39 +62,129 @@ class DownloadCache:
     def fetch(self, bucket: Bucket, path: str) -> Path:
         """Local path of the bucket file `path`, downloading it if the cache lacks it.
 
+        The file stays on disk until this cache's next [`prune`] or [`release`], whatever
+        other processes sharing the directory prune meanwhile.
+
+        Args:
+            bucket: The bucket holding the file.
+            path: The file's path inside the bucket.
+
         Raises:
             BucketFileNotFoundError: The bucket has no such file.
+            BucketPathError: The path escapes the bucket (or, for a local bucket, is not
+                a regular file inside it).
         """
         path = clean_path(path)
         local = bucket.local_path(path)
         if local is not None:
-            if not local.is_file():
-                bucket.read_bytes(path)  # raises the bucket's own not-found error
             return local
         dest = self._bucket_dir(bucket) / path
-        if dest.is_file():
-            return dest
+        with self._pins_lock:
+            if dest in self._pins:
+                return dest
         dest.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(dest) + ".lock"):
+        lock = _lock_path(dest)
+        while True:
+            fd = _lock(lock, fcntl.LOCK_SH)
             if not dest.is_file():
-                bucket.download(path, dest)
-        return dest
+                # Absent (or pruned since): download under the exclusive lock, then read shared.
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+                fd = _lock(lock, fcntl.LOCK_EX)
+                try:
+                    if not dest.is_file():
+                        bucket.download(path, dest)
+                except BaseException:
+                    lock.unlink(missing_ok=True)  # held exclusively: nobody is left pinning it
+                    raise
+                finally:
+                    os.close(fd)
+                continue
+            self._pin(dest, fd)
+            return dest
+
+    def release(self) -> None:
+        """Unpin every file this cache fetched, so that any process's prune may delete it."""
+        with self._pins_lock:
+            pins, self._pins = self._pins, {}
+        for fd in pins.values():
+            os.close(fd)
 
     def prune(self, bucket: Bucket, keep: Callable[[str], bool]) -> int:
         """Delete cached files of `bucket` whose bucket path `keep` rejects; returns how many.
 
-        A file another process still has open stays readable until closed (POSIX), and a
-        later `fetch` downloads it again, so pruning never breaks a concurrent reader.
+        Releases this cache's own pins first (call it once done with what was fetched).
+        Files that another cache object, in this process or another, still pins are
+        passed over; a later prune deletes them.
+
+        Args:
+            bucket: The bucket whose cached files to consider.
+            keep: Given a file's path inside the bucket, whether to keep it.
         """
+        self.release()
         base = self._bucket_dir(bucket)
-        if bucket.local_path("latest.json") is not None or not base.is_dir():
+        if not base.is_dir():  # nothing cached: e.g. a local bucket, used in place
             return 0
         removed = 0
-        for file in base.rglob("*"):
-            if not file.is_file() or file.name.endswith(".lock"):
-                continue
-            if not keep(file.relative_to(base).as_posix()):
-                file.unlink(missing_ok=True)
-                Path(str(file) + ".lock").unlink(missing_ok=True)
+        for file in sorted(base.rglob("*")):
+            if file.name.startswith(".") or not file.is_file():
+                continue  # a download in progress
+            if file.name.endswith(_LOCK_SUFFIX):
+                data = file.with_name(file.name[: -len(_LOCK_SUFFIX)])
+                if not data.exists():  # left by a process that died downloading
+                    _remove_unpinned(data)
+            elif not keep(file.relative_to(base).as_posix()) and _remove_unpinned(file):
                 removed += 1
         return removed
+
+    def _pin(self, dest: Path, fd: int) -> None:
+        with self._pins_lock:
+            if dest in self._pins:  # pinned meanwhile by another thread
+                os.close(fd)
+            else:
+                self._pins[dest] = fd
+
+
+def _lock_path(file: Path) -> Path:
+    return file.with_name(file.name + _LOCK_SUFFIX)
+
+
+def _lock(lock: Path, operation: int) -> int:
+    """A descriptor of `lock` (created if absent) holding `operation` (`LOCK_SH`, `LOCK_EX`,
+    optionally `| LOCK_NB`) on the file that is at that path once the lock is held.
+
+    A pruner deletes a lock file while holding it exclusively; whoever opened the deleted
+    file meanwhile gets the lock on an orphan, sees it, and starts over.
+
+    Raises:
+        BlockingIOError: `LOCK_NB` was given and the lock is held by someone else.
+    """
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, operation)
+            held = os.fstat(fd)
+            try:
+                current = os.stat(lock)
+            except FileNotFoundError:
+                current = None
+        except BaseException:
+            os.close(fd)
+            raise
+        if current is not None and (current.st_dev, current.st_ino) == (held.st_dev, held.st_ino):
+            return fd
+        os.close(fd)
+
+
+def _remove_unpinned(file: Path) -> bool:
+    """Delete a cached file and its lock file unless some process pins it; whether it did."""
+    try:
+        fd = _lock(_lock_path(file), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    try:
+        file.unlink(missing_ok=True)
+        _lock_path(file).unlink()
+    finally:
+        os.close(fd)
+    return True
