@@ -29,6 +29,7 @@ from .manifest import PartedAnchor
 from .replica.follow import Follower
 from .replica.receiver import Receiver
 from .replica.verify import verify_bucket
+from .signing import SIGNING_KEY_ENV, VERIFY_KEY_ENV, SigningKey
 from .storage import open_bucket
 from .storage.cache import DownloadCache
 
@@ -112,7 +113,7 @@ def _describe(args: argparse.Namespace, file: Anchor | Delta | PartedAnchor) -> 
 
 
 def _verify(args: argparse.Namespace) -> int:
-    report = verify_bucket(args.bucket)
+    report = verify_bucket(args.bucket, verify_key=args.verify_key)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
@@ -123,6 +124,13 @@ def _verify(args: argparse.Namespace) -> int:
             f"{report.bucket}: verification {verdict} (latest v{report.latest_version}, replayed v{report.replayed_version})"
         )
     return 0 if report.ok else 1
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    private, public = SigningKey.generate().save(args.directory)
+    print(f"wrote {private} (the trainer's signing key: keep it secret) and {public} (for replicas)")
+    print(f"trainer: {SIGNING_KEY_ENV}={private}   replicas: {VERIFY_KEY_ENV}={public} (or the file's PEM text)")
+    return 0
 
 
 def _follow(args: argparse.Namespace) -> int:
@@ -167,7 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
     verify = commands.add_parser("verify", help="replay a bucket's anchors and deltas and check each file")
     verify.add_argument("bucket", help="bucket URL or local directory")
     verify.add_argument("--json", action="store_true", help="print JSON instead of text")
+    verify.add_argument(
+        "--verify-key", help=f"check every file's signature with this public key (default: ${VERIFY_KEY_ENV}, if set)"
+    )
     verify.set_defaults(run=_verify)
+
+    keygen = commands.add_parser("keygen", help="make the Ed25519 key pair that signs versions")
+    keygen.add_argument("directory", help="where to write delta-sync.key and delta-sync.pub (never overwritten)")
+    keygen.set_defaults(run=_keygen)
 
     follow = commands.add_parser(
         "follow", help="keep a vLLM server at the newest version of a bucket (runs until stopped)"

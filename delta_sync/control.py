@@ -36,11 +36,27 @@ from typing import Any, Literal
 
 from .errors import ApplyError
 
-__all__ = ["ALLOWED_BUCKETS_ENV", "STATUS_METHOD", "ReplicaStatus", "Route", "UpdateInfo"]
+__all__ = [
+    "ALLOWED_BUCKETS_ENV",
+    "API_TOKEN_ENV",
+    "STATUS_METHOD",
+    "TOKEN_HEADER",
+    "ReplicaStatus",
+    "Route",
+    "UpdateInfo",
+]
 
 #: Comma-separated bucket URLs (or local directories) a vLLM server may load weights from;
 #: `*` trusts any bucket. Unset, every update is refused.
 ALLOWED_BUCKETS_ENV = "DELTA_SYNC_ALLOWED_BUCKETS"
+
+#: The token a server's `vllm_ext.auth` middleware requires on the weight routes; the
+#: trainer's client and `delta-sync follow` read it from the same variable by default.
+API_TOKEN_ENV = "DELTA_SYNC_API_TOKEN"
+
+#: The header that carries it (`Authorization` stays free for a proxy in front of vLLM,
+#: e.g. a private Space's Hugging Face token).
+TOKEN_HEADER = "X-Delta-Sync-Token"
 
 #: The worker-extension method `/collective_rpc` calls for a [`ReplicaStatus`].
 STATUS_METHOD = "delta_sync_status"

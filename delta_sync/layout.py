@@ -116,6 +116,9 @@ class Latest:
         run_id: Identifier of the training run that wrote the files.
         epoch: Identifies the start of the publisher that wrote `version` ("" in files
             written before epochs existed).
+        epoch_start: The first version that start wrote: files of earlier versions are the
+            run's history (any epoch); from it on, only files of `epoch` belong to the run.
+            0 puts no constraint.
     """
 
     version: int
@@ -125,12 +128,20 @@ class Latest:
     model_checksum: str
     run_id: str
     epoch: str = ""
+    epoch_start: int = 0
 
     def _fields(self) -> dict:
         fields = asdict(self)
         if not self.epoch:
             del fields["epoch"]
+        if not self.epoch_start:
+            del fields["epoch_start"]
         return fields
+
+    def owns(self, version: int, epoch: str) -> bool:
+        """Whether a file of `version` written by publisher start `epoch` is part of the
+        trajectory this pointer ends: history before `epoch_start`, this epoch's from it on."""
+        return not self.epoch or epoch == self.epoch or version < self.epoch_start
 
     def _signed_bytes(self) -> bytes:
         return json.dumps(self._fields(), sort_keys=True, separators=(",", ":")).encode()
@@ -168,6 +179,7 @@ class Latest:
             model_checksum=_text(fields, "model_checksum", source),
             run_id=_text(fields, "run_id", source),
             epoch=_text(fields, "epoch", source) if "epoch" in fields else "",
+            epoch_start=_count(fields, "epoch_start", source) if "epoch_start" in fields else 0,
         )
         if verify_key is not None:
             if not isinstance(signature, dict):

@@ -71,8 +71,14 @@ class PublishedRun:
         self.model = TwoTower()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
         self.detector = BF16ChangeDetector(self.model, self.optimizer)
+        # Anchors by count only, so that tests can predict the schedule.
         self.publisher = Publisher(
-            root, self.detector, anchor_every=anchor_every, keep_anchors=keep_anchors, background=False
+            root,
+            self.detector,
+            anchor_every=anchor_every,
+            anchor_bytes_ratio=None,
+            keep_anchors=keep_anchors,
+            background=False,
         )
         self.states: dict[int, dict[str, torch.Tensor]] = {}
         self.version = 0

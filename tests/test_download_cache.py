@@ -51,8 +51,9 @@ def test_replica_prunes_downloads_it_can_no_longer_use(hf_target, tmp_path):
         version = run.step()
         assert receiver.update(hf_target.url, f"deltas/step_{version:08d}.safetensors").version == version
     run.close()
+    # <bucket>/<run and start namespace>/<path in the bucket>
     cached = [
-        f.relative_to(tmp_path / "cache").as_posix().split("/", 1)[1]
+        f.relative_to(tmp_path / "cache").as_posix().split("/", 2)[2]
         for f in (tmp_path / "cache").rglob("*.safetensors")
     ]
     steps = sorted(parse_step_path(path) for path in cached)

@@ -152,3 +152,21 @@ def test_a_replica_of_another_run_is_told_so(tmp_path):
     receiver.update(tmp_path / "a")
     with pytest.raises(ApplyError, match="belongs to run"):
         receiver.update(tmp_path / "b", delta_path(4))
+
+
+def test_keygen_and_verify_from_the_command_line(tmp_path):
+    import subprocess
+    import sys
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "delta_sync.cli", *args], capture_output=True, text=True)
+
+    made = cli("keygen", str(tmp_path / "keys"))
+    assert made.returncode == 0, made.stderr
+    assert cli("keygen", str(tmp_path / "keys")).returncode != 0  # never overwrites a key
+    publish(tmp_path / "bucket", tmp_path / "keys" / "delta-sync.key")
+    public = str(tmp_path / "keys" / "delta-sync.pub")
+    assert cli("verify", str(tmp_path / "bucket"), "--verify-key", public).returncode == 0
+    other = SigningKey.generate().save(tmp_path / "other")[1]
+    refused = cli("verify", str(tmp_path / "bucket"), "--verify-key", str(other))
+    assert refused.returncode == 1 and "not by the trusted key" in refused.stdout

@@ -25,7 +25,7 @@ def front_matter() -> dict[str, str]:
 def server_command(**env: str) -> list[str]:
     """The argument list start.sh execs, with its variables substituted."""
     script = (SPACE / "start.sh").read_text()
-    command = script[script.index("exec ") + len("exec ") :].replace("\\\n", " ")
+    command = script[script.index("exec ") + len("exec ") : script.index("\n}")].replace("\\\n", " ")
     for name, value in env.items():
         command = command.replace(f'"${{{name}:-7860}}"', value).replace(f'"${name}"', value)
         command = command.replace(f"${{{name}:-}}", value)
@@ -58,6 +58,7 @@ def test_dockerfile_uses_the_vllm_image_and_existing_files():
 def test_server_command_parses_with_vllms_argument_parser():
     args = server_command(MODEL_ID="Qwen/Qwen3-0.6B", PORT="7860", VLLM_EXTRA_ARGS="--max-model-len 4096")
     assert args[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    assert args[args.index("--middleware") + 1] == "vllm_ext.auth.WeightRouteAuthMiddleware"
     script = (
         "import json, sys\n"
         "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"

@@ -39,7 +39,12 @@ class TinyTrainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
         self.detector = BF16ChangeDetector(self.model, self.optimizer)
         self.publisher = Publisher(
-            bucket, self.detector, anchor_every=anchor_every, keep_anchors=keep_anchors, background=False
+            bucket,
+            self.detector,
+            anchor_every=anchor_every,
+            anchor_bytes_ratio=None,  # a predictable schedule: anchors by count only
+            keep_anchors=keep_anchors,
+            background=False,
         )
         self.bucket = self.publisher.bucket.url
         self.version = 0

@@ -69,7 +69,7 @@ def _register_engine() -> None:
     except ValueError:
         logger.warning(
             "delta-sync: another weight-transfer engine is already registered as %r; select delta-sync's "
-            "with --weight-transfer-config '{\"backend\": \"%s\"}'",
+            'with --weight-transfer-config \'{"backend": "%s"}\'',
             BACKEND,
             BACKEND_ALIAS,
         )

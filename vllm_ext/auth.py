@@ -34,15 +34,13 @@ import os
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, ClassVar
 
+# Defined once, in the control-plane contract both sides import.
+from delta_sync.control import API_TOKEN_ENV, TOKEN_HEADER
+
 __all__ = ["API_TOKEN_ENV", "GUARDED_ROUTES", "TOKEN_HEADER", "WeightRouteAuthMiddleware"]
 
 logger = logging.getLogger("delta_sync")
 
-#: The environment variable holding the token, on the server (and, by default, the trainer).
-API_TOKEN_ENV = "DELTA_SYNC_API_TOKEN"
-
-#: A header that carries the token when `Authorization` is taken by a proxy in front of vLLM.
-TOKEN_HEADER = "X-Delta-Sync-Token"
 
 #: vLLM 0.32's routes that change weights, generation, caches or memory, call into the
 #: workers, or reveal the server's configuration (`VLLM_SERVER_DEV_MODE=1` opens most of

@@ -41,7 +41,7 @@ from ..errors import (
 from ..format import Anchor, Delta, FileHeader, read_file
 from ..integrity import model_checksum, updated_checksum
 from ..layout import LATEST, Latest, is_manifest, is_part, parse_step_path, version_files
-from ..manifest import Manifest, PartRecord, read_version
+from ..manifest import MAX_MANIFEST_BYTES, Manifest, PartRecord, read_version
 from ..parallel import parallel_map
 from ..signing import SIGNATURE_SUFFIX, VERIFY_KEY_ENV, FileSignature, VerifyKey, file_sha256
 from ..sparse import gather, scatter_
@@ -394,7 +394,7 @@ class Receiver:
                 if opened_here:
                     pending.abort()  # all or nothing: a failed catch-up leaves the replica where it was
                 raise
-            self._prune_cache(opened)
+            self._prune_cache(opened, latest)
             return pending
 
     def update(self, bucket: Bucket | str | os.PathLike, filename: str | None = None) -> ApplyResult:
@@ -470,7 +470,7 @@ class Receiver:
         """Notice when the bucket has moved on to another run or another start of it: the
         held weights are then from an abandoned trajectory, or another run, and only an
         anchor of the bucket's may replace them."""
-        if self.version is None or (latest.run_id, latest.epoch) == (self.run_id, self.epoch):
+        if self.version is None or (latest.run_id == self.run_id and latest.owns(self.version, self.epoch or "")):
             return
         what = "another run" if latest.run_id != self.run_id else "a restart of the run"
         logger.warning(
@@ -527,26 +527,33 @@ class Receiver:
             self._prepare_path(bucket, deltas[version], pending, latest)
 
     def _prepare_path(self, bucket: Bucket, path: str, pending: PendingUpdate, latest: Latest) -> None:
-        with self.open_version(bucket, path) as file:
+        with self.open_version(bucket, path, namespace=_namespace(latest)) as file:
             _check_against_latest(file.header, latest)
             self._prepare_file(file, pending)
 
-    def open_version(self, bucket: Bucket, path: str) -> Anchor | Delta:
+    def open_version(self, bucket: Bucket, path: str, namespace: str = "") -> Anchor | Delta:
         """Fetch (through the download cache) and read one version of `bucket`: a single file,
         or a manifest and all its parts, checked by the format gate but not applied.
 
         Use it as a context manager. Raises what [`read_file`] and
         `delta_sync.manifest.read_version` raise, and `BucketFileNotFoundError`.
+
+        Args:
+            bucket: The bucket.
+            path: A single file's or a manifest's path in it.
+            namespace: The download cache's namespace (see `DownloadCache.fetch`).
         """
         source = f"{bucket.url}/{path}"
         if not (path.endswith(".safetensors") or is_manifest(path)):
             raise FormatError(f"{source}: not an anchor, delta or manifest (expected .safetensors or .manifest.json)")
         step = None if is_part(path) else parse_step_path(path)
-        local = self.cache.fetch(bucket, path)
+        local = self.cache.fetch(bucket, path, namespace)
         self._check_signature(bucket, path, local)
         if is_manifest(path):
+            if local.stat().st_size > MAX_MANIFEST_BYTES:
+                raise FormatError(f"{source}: {local.stat().st_size} bytes is too large for a manifest")
             manifest = Manifest.from_json(local.read_bytes(), source=source)
-            parts = [(record, self.cache.fetch(bucket, record.path)) for record in manifest.parts]
+            parts = [(record, self.cache.fetch(bucket, record.path, namespace)) for record in manifest.parts]
             self._check_parts_signed(manifest, parts, source)
             file = read_version(manifest, parts, source=source, base_url=bucket.url)
         else:
@@ -577,11 +584,12 @@ class Receiver:
             if record.sha256 is None or file_sha256(local) != record.sha256:
                 raise SignatureError(f"{source}: part {record.path} is not the one the signed manifest names")
 
-    def _prune_cache(self, bucket: Bucket) -> None:
+    def _prune_cache(self, bucket: Bucket, latest: Latest | None) -> None:
         """Drop downloads no catch-up from the held version can use: anchors older than the
         held one, deltas more than one version old (a sibling worker may still be applying
-        the previous one)."""
-        if self.version is None or self.anchor_version is None:
+        the previous one), and everything of a trajectory the bucket has left."""
+        if self.version is None or self.anchor_version is None or latest is None:
+            self.cache.release()
             return
 
         def keep(path: str) -> bool:
@@ -591,7 +599,7 @@ class Receiver:
             kind, version = parsed
             return version >= (self.anchor_version if kind == "anchor" else self.version - 1)
 
-        self.cache.prune(bucket, keep)
+        self.cache.prune(bucket, keep, namespace=_namespace(latest))
 
     # -- one file: check, verify, apply to the snapshot ---------------------------------------
 
@@ -608,13 +616,11 @@ class Receiver:
             raise
 
     def _is_stale(self, version: int, run_id: str, epoch: str) -> bool:
-        """Whether a version is one the receiver already holds or has passed, on the same trajectory."""
-        return (
-            self.version is not None
-            and (run_id, epoch) == (self.run_id, self.epoch)
-            and version <= self.version
-            and not self._anchor_needed
-        )
+        """Whether a version is one the receiver already holds or has passed, on the same
+        trajectory (the same start of the run, or that start's history)."""
+        if self.version is None or run_id != self.run_id or self._anchor_needed or version > self.version:
+            return False
+        return epoch == self.epoch or version < self.version
 
     def _prepare_delta(self, delta: Delta, pending: PendingUpdate) -> None:
         header = delta.header
@@ -804,13 +810,18 @@ class Receiver:
 _INTEGRITY_FAILED = "the held weights failed an integrity check"
 
 
+def _namespace(latest: Latest) -> str:
+    """Cached files are kept per run and start: a resumed run rewrites paths."""
+    return f"{latest.run_id}/{latest.epoch}"
+
+
 def _check_against_latest(header: FileHeader, latest: Latest) -> None:
     """A file is never ahead of the bucket's pointer, nor of another trajectory than it."""
     if header.version > latest.version:
         raise FormatError(
             f"{header.source}: claims version {header.version}, past the bucket's latest.json ({latest.version})"
         )
-    if (header.run_id, header.epoch) != (latest.run_id, latest.epoch):
+    if header.run_id != latest.run_id or not latest.owns(header.version, header.epoch):
         raise ApplyError(
             f"{header.source}: belongs to run {header.run_id} (epoch {header.epoch or '-'}), but the bucket's "
             f"latest.json is from run {latest.run_id} (epoch {latest.epoch or '-'})"

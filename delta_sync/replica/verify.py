@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import DeltaSyncError
+from ..errors import BucketFileNotFoundError, DeltaSyncError
 from ..format import Anchor, Delta
 from ..layout import LATEST, Latest, version_files
+from ..signing import VerifyKey
 from ..storage import Bucket, open_bucket
 from ..storage.cache import DownloadCache
 from .receiver import Receiver
@@ -56,7 +57,9 @@ class VerifyReport:
         }
 
 
-def verify_bucket(bucket: Bucket | str, *, progress: bool | None = None) -> VerifyReport:
+def verify_bucket(
+    bucket: Bucket | str, *, progress: bool | None = None, verify_key: VerifyKey | str | None = None
+) -> VerifyReport:
     """Replay the chain from the oldest kept anchor and check every file on the way.
 
     Every delta must apply on top of the version before it with matching checksums; every
@@ -64,11 +67,15 @@ def verify_bucket(bucket: Bucket | str, *, progress: bool | None = None) -> Veri
     last version reached and its checksum. A file that fails is reported and the replay
     goes on: the deltas after it fail against the version held, and the next anchor
     restarts the chain. Nothing a bucket holds stops the verification early, except a
-    listing that fails.
+    listing that fails. Files of versions past `latest.json` (stored, not yet published,
+    e.g. by a trainer that crashed in between) are listed and ignored; a bucket without
+    `latest.json` has published nothing yet, which is not a failure.
 
     Args:
         bucket: The bucket or its URL.
         progress: Show a progress bar; by default only on a terminal.
+        verify_key: Check every file's signature with this public key (or its path); by
+            default the key `DELTA_SYNC_VERIFY_KEY` names, if any.
 
     Returns:
         A [`VerifyReport`]; `report.ok` is False if any check failed.
@@ -76,22 +83,32 @@ def verify_bucket(bucket: Bucket | str, *, progress: bool | None = None) -> Veri
     opened = open_bucket(bucket)
     report = VerifyReport(bucket=opened.url)
     try:
-        latest = Latest.from_json(opened.read_bytes(LATEST), source=f"{opened.url}/{LATEST}")
-        report.latest_version = latest.version
-    except Exception as exc:
-        report.add(LATEST, False, _problem(exc))
-        latest = None
-    try:
         anchors = version_files(opened.list("anchors"), "anchor")
         deltas = version_files(opened.list("deltas"), "delta")
     except Exception as exc:
         report.add("anchors/, deltas/", False, f"cannot list the versions: {_problem(exc)}")
         return report
+    try:
+        latest = Latest.from_json(opened.read_bytes(LATEST), source=f"{opened.url}/{LATEST}")
+        report.latest_version = latest.version
+    except BucketFileNotFoundError:
+        unpublished = len(anchors) + len(deltas)
+        report.add(LATEST, True, f"absent: nothing published yet ({unpublished} version file(s) stored, ignored)")
+        return report
+    except Exception as exc:
+        report.add(LATEST, False, _problem(exc))
+        latest = None
+    if latest is not None:
+        ahead = sorted(v for v in {*anchors, *deltas} if v > latest.version)
+        if ahead:
+            report.add("anchors/, deltas/", True, f"versions {ahead} are stored but not published yet: ignored")
+        anchors = {v: path for v, path in anchors.items() if v <= latest.version}
+        deltas = {v: path for v, path in deltas.items() if v <= latest.version}
     if not anchors:
         report.add("anchors/", False, "no anchor in the bucket")
         return report
     with tempfile.TemporaryDirectory(prefix="delta-sync-verify-") as cache_dir:
-        receiver = Receiver(cache=DownloadCache(cache_dir))
+        receiver = Receiver(cache=DownloadCache(cache_dir), verify_key=verify_key)
         first = min(anchors)
         versions = sorted(v for v in {*anchors, *deltas} if v >= first)
         for version in tqdm(versions, desc="verify", unit="version", disable=_progress_off(progress)):

@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from ..errors import BucketPathError
 from .base import Bucket, clean_path
 
 __all__ = ["DownloadCache", "default_cache_dir"]
@@ -29,7 +30,12 @@ class DownloadCache:
     Several processes on one machine (e.g. the tensor-parallel workers of one vLLM
     server, or several replicas) that fetch the same file wait on a lock, so only the
     first downloads it. Files appear in the cache only when complete. Files of a local
-    bucket are used in place, without a copy.
+    bucket are copied in too: a replica then reads, checks and applies a private copy that
+    nobody who can write the bucket can change under it (or truncate: no SIGBUS).
+
+    A `namespace` separates files that share a path but not an identity: a run resumed in
+    place rewrites versions under the same paths, so the receiver fetches under its
+    run and start ("epoch"), and a prune drops other namespaces.
 
     A fetched file is pinned: no process's [`prune`] deletes it until this cache object
     releases it, at its own next [`prune`] or [`release`]. Each cached file has a lock
@@ -59,7 +65,11 @@ class DownloadCache:
     def _bucket_dir(self, bucket: Bucket) -> Path:
         return self.root / hashlib.sha256(bucket.url.encode()).hexdigest()[:16]
 
-    def fetch(self, bucket: Bucket, path: str) -> Path:
+    def _namespace_dir(self, bucket: Bucket, namespace: str) -> Path:
+        base = self._bucket_dir(bucket)
+        return base / (_NAMESPACE_PREFIX + hashlib.sha256(namespace.encode()).hexdigest()[:12]) if namespace else base
+
+    def fetch(self, bucket: Bucket, path: str, namespace: str = "") -> Path:
         """Local path of the bucket file `path`, downloading it if the cache lacks it.
 
         The file stays on disk until this cache's next [`prune`] or [`release`], whatever
@@ -68,6 +78,7 @@ class DownloadCache:
         Args:
             bucket: The bucket holding the file.
             path: The file's path inside the bucket.
+            namespace: Which identity of the path is meant (e.g. a run and its start).
 
         Raises:
             BucketFileNotFoundError: The bucket has no such file.
@@ -75,10 +86,10 @@ class DownloadCache:
                 a regular file inside it).
         """
         path = clean_path(path)
-        local = bucket.local_path(path)
-        if local is not None:
-            return local
-        dest = self._bucket_dir(bucket) / path
+        bucket.local_path(path)  # a local bucket refuses what is not a regular file inside it
+        if any(len(part.encode()) > _MAX_NAME_BYTES for part in path.split("/")):
+            raise BucketPathError(f"{bucket.url}: {path[:80]!r}... has a name longer than {_MAX_NAME_BYTES} bytes")
+        dest = self._namespace_dir(bucket, namespace) / path
         with self._pins_lock:
             if dest in self._pins:
                 return dest
@@ -110,8 +121,9 @@ class DownloadCache:
         for fd in pins.values():
             os.close(fd)
 
-    def prune(self, bucket: Bucket, keep: Callable[[str], bool]) -> int:
-        """Delete cached files of `bucket` whose bucket path `keep` rejects; returns how many.
+    def prune(self, bucket: Bucket, keep: Callable[[str], bool], namespace: str = "") -> int:
+        """Delete cached files of `bucket` whose bucket path `keep` rejects, and those of
+        other namespaces; returns how many.
 
         Releases this cache's own pins first (call it once done with what was fetched).
         Files that another cache object, in this process or another, still pins are
@@ -120,10 +132,12 @@ class DownloadCache:
         Args:
             bucket: The bucket whose cached files to consider.
             keep: Given a file's path inside the bucket, whether to keep it.
+            namespace: The namespace in use; cached files of any other are deleted.
         """
         self.release()
         base = self._bucket_dir(bucket)
-        if not base.is_dir():  # nothing cached: e.g. a local bucket, used in place
+        current = self._namespace_dir(bucket, namespace)
+        if not base.is_dir():  # nothing cached
             return 0
         removed = 0
         for file in sorted(base.rglob("*")):
@@ -133,7 +147,7 @@ class DownloadCache:
                 data = file.with_name(file.name[: -len(_LOCK_SUFFIX)])
                 if not data.exists():  # left by a process that died downloading
                     _remove_unpinned(data)
-            elif not keep(file.relative_to(base).as_posix()) and _remove_unpinned(file):
+            elif not _kept(file, base, current, keep) and _remove_unpinned(file):
                 removed += 1
         return removed
 
@@ -143,6 +157,19 @@ class DownloadCache:
                 os.close(fd)
             else:
                 self._pins[dest] = fd
+
+
+_NAMESPACE_PREFIX = "ns-"
+# File systems allow 255 bytes per name; the lock file adds its suffix.
+_MAX_NAME_BYTES = 255 - len(_LOCK_SUFFIX)
+
+
+def _kept(file: Path, base: Path, current: Path, keep: Callable[[str], bool]) -> bool:
+    if current != base and not file.is_relative_to(current):
+        return False  # another namespace: a rewritten past
+    if current == base and file.relative_to(base).parts[0].startswith(_NAMESPACE_PREFIX):
+        return False
+    return keep(file.relative_to(current).as_posix())
 
 
 def _lock_path(file: Path) -> Path:

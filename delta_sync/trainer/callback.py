@@ -65,6 +65,8 @@ class DeltaSyncConfig:
             hold, typically under 1 byte per changed element; single-process and DDP runs).
         signing_key: Path (or PEM text) of the Ed25519 key that signs every version
             (`delta-sync keygen`); default: `DELTA_SYNC_SIGNING_KEY`, else unsigned.
+        vllm_token: The replicas' weight-route token (`vllm_ext.auth` middleware), sent as
+            `X-Delta-Sync-Token`; default: `DELTA_SYNC_API_TOKEN`, if set.
         vllm_headers: HTTP headers for every request to the replicas, e.g.
             `{"Authorization": "Bearer hf_..."}` for a private Space.
     """
@@ -86,6 +88,7 @@ class DeltaSyncConfig:
     vllm_retry_seconds: float = 30.0
     vllm_pause_mode: str | None = "keep"
     vllm_headers: dict[str, str] | None = None
+    vllm_token: str | None = None
     encoding: str = "raw"
     signing_key: str | None = None
 
@@ -224,6 +227,7 @@ class DeltaSyncCallback(TrainerCallback):
                 retry_seconds=config.vllm_retry_seconds,
                 pause_mode=config.vllm_pause_mode,
                 headers=config.vllm_headers,
+                token=config.vllm_token,
             )
         logger.info(
             "delta-sync: publishing to %s every %d step(s), anchor every %d version(s), run %s",

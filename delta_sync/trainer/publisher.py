@@ -243,6 +243,7 @@ class Publisher:
         self._model_checksums: dict[str, int] = {}  # the whole model's, per parameter
         self._stored_version: int | None = None
         self._anchor_version: int | None = None
+        self._epoch_start: int | None = None  # the first version this start stored
         # Caller-side state.
         self._last_version: int | None = None
         self._since_anchor = 0
@@ -516,12 +517,14 @@ class Publisher:
                 model_checksum=model_checksum(self._model_checksums),
                 run_id=self.run_id,
                 epoch=self.epoch,
+                epoch_start=self._epoch_start or job.version,
             ).to_json(self.signing_key)
             self.bucket.upload(LATEST, latest)
             written += len(latest)
             if anchor is not None:
                 self._apply_retention()
         self._stored_version = job.version
+        self._epoch_start = self._epoch_start or job.version
         delta_bytes = sum(r.delta.bytes for r in results if r.delta is not None)
         if anchor is not None:
             self._anchor_bytes = sum(r.anchor.bytes for r in results if r.anchor is not None)

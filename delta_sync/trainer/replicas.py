@@ -9,6 +9,7 @@ the status of every worker); [`ReplicaSet`] keeps several replicas at the newest
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -18,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from ..control import STATUS_METHOD, ReplicaStatus, Route, UpdateInfo
+from ..control import API_TOKEN_ENV, STATUS_METHOD, TOKEN_HEADER, ReplicaStatus, Route, UpdateInfo
 from ..errors import DeltaSyncError, ReplicaError
 from ..retry import RetryPolicy
 
@@ -68,6 +69,8 @@ class Replica:
             `"abort"`, or None to not pause.
         headers: Sent with every request, e.g. `{"Authorization": "Bearer hf_..."}` for a
             private Space.
+        token: The server's weight-route token (`vllm_ext.auth`), sent as
+            `X-Delta-Sync-Token`; default: `DELTA_SYNC_API_TOKEN`, if set.
         stale_session_seconds: vLLM allows one weight-update session at a time. When
             another client's session is open (a trainer pushing while `delta-sync follow`
             catches up), [`update`] waits for it to end, up to `timeout` seconds; only a
@@ -92,6 +95,7 @@ class Replica:
         pause_mode: str | None = "keep",
         headers: dict[str, str] | None = None,
         stale_session_seconds: float = 60.0,
+        token: str | None = None,
     ) -> None:
         if pause_mode is not None and pause_mode not in _PAUSE_MODES:
             raise ValueError(f"pause_mode must be 'keep', 'wait', 'abort' or None, got {pause_mode!r}")
@@ -103,6 +107,8 @@ class Replica:
         self.retry_seconds = retry_seconds
         self.retry = _retry_policy(retry_seconds)
         self.pause_mode = pause_mode
+        token = os.environ.get(API_TOKEN_ENV) if token is None else token
+        headers = {**({TOKEN_HEADER: token} if token else {}), **(headers or {})}
         self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
 
     def close(self) -> None:
