@@ -62,7 +62,9 @@ def test_keygen_writes_a_private_key_only_its_owner_reads(keys):
 def test_a_signed_bucket_replays_bit_exactly_with_the_key(tmp_path, keys):
     private, public = keys
     states = publish(tmp_path, private)
-    assert (tmp_path / (delta_path(2) + ".sig")).is_file() and "signature" in json.loads((tmp_path / LATEST).read_text())
+    assert (tmp_path / (delta_path(2) + ".sig")).is_file() and "signature" in json.loads(
+        (tmp_path / LATEST).read_text()
+    )
     receiver = Receiver(verify_key=public)
     assert receiver.update(tmp_path).version == 4
     for name, tensor in states[4].items():
