@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from .errors import BucketPathError, DeltaSyncError, FormatError
 from .format import Anchor, Delta, read_file
-from .layout import ANCHOR_DIR, DELTA_DIR
+from .layout import ANCHOR_DIR, DELTA_DIR, version_files
 from .manifest import PartedAnchor
 from .replica.follow import Follower
 from .replica.receiver import Receiver
@@ -45,8 +45,34 @@ def _inspect(args: argparse.Namespace) -> int:
             return _describe(args, file)
     bucket, path = located
     with tempfile.TemporaryDirectory(prefix="delta-sync-inspect-") as tmp:
-        with Receiver(cache=DownloadCache(tmp)).open_version(open_bucket(bucket), path) as file:
+        receiver = Receiver(cache=DownloadCache(tmp))
+        opened = open_bucket(bucket)
+        with receiver.open_version(opened, path) as file:
+            if args.decode and isinstance(file, Delta):
+                if file.encoded is not None:
+                    _replay_to(receiver, opened, file.header.base_version)
+                return _print_changes(file.decoded(receiver.weights))
             return _describe(args, file)
+
+
+def _replay_to(receiver: Receiver, bucket, version: int) -> None:
+    """Bring `receiver` to `version` from the bucket: its newest anchor at or before, then deltas."""
+    listing = bucket.list("anchors") + bucket.list("deltas")
+    anchors, deltas = version_files(listing, "anchor"), version_files(listing, "delta")
+    start = max((v for v in anchors if v <= version), default=None)
+    if start is None:
+        raise FormatError(f"{bucket.url}: no anchor at or before v{version} to decode against")
+    receiver.update(bucket, anchors[start])
+    for step in range(start + 1, version + 1):
+        receiver.update(bucket, deltas[step])
+
+
+def _print_changes(delta: Delta) -> int:
+    """Every change as a raw delta holds it: one JSON line per parameter."""
+    for name in sorted(delta.changes):
+        change = delta.changes[name]
+        print(json.dumps({"name": name, "indices": change.indices.tolist(), "values": change.values.float().tolist()}))
+    return 0
 
 
 def _refuse_special_file(target: str) -> None:
@@ -170,6 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="describe an anchor or delta file")
     inspect.add_argument("file", help="a .safetensors anchor or delta: a local path or a bucket URL")
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    inspect.add_argument(
+        "--decode",
+        action="store_true",
+        help="print a delta's positions and new values, one JSON line per parameter (a compact delta is "
+        "decoded against the bucket's previous version)",
+    )
     inspect.set_defaults(run=_inspect)
 
     verify = commands.add_parser("verify", help="replay a bucket's anchors and deltas and check each file")

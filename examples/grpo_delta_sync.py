@@ -121,6 +121,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default: 20; 0 only builds the model)")
     parser.add_argument("--anchor-every", type=int, default=10, help="full anchor every N versions (default: 10)")
+    parser.add_argument(
+        "--encoding",
+        choices=("raw", "compact"),
+        default="raw",
+        help="delta encoding: raw (TRL's int32 + bf16) or compact (entropy-coded; default: raw)",
+    )
     parser.add_argument("--keep-anchors", type=int, default=2, help="anchors kept in the bucket (default: 2)")
     parser.add_argument("--learning-rate", type=float, default=2e-5, help="AdamW learning rate (default: 2e-5)")
     source = parser.add_mutually_exclusive_group()
@@ -178,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     sync = DeltaSyncCallback(
         bucket=args.bucket,
         anchor_every=args.anchor_every,
+        encoding=args.encoding,
         keep_anchors=args.keep_anchors,
         overwrite=not args.keep_existing,
         max_staleness=args.max_staleness,

@@ -58,3 +58,49 @@ def test_a_damaged_compact_delta_changes_nothing(tmp_path):
     assert receiver.version == 2
     for name, tensor in before.items():
         assert torch.equal(tensor, bits(receiver.weights[name]))
+
+
+@pytest.mark.slow
+def test_the_example_trains_with_the_compact_encoding(tmp_path):
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).parents[1] / "examples" / "grpo_delta_sync.py"
+    bucket = tmp_path / "deltas"
+    result = subprocess.run(
+        [sys.executable, str(example), "--bucket", str(bucket), "--steps", "4", "--encoding", "compact"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert re.search(r"replica bit-exact\s+yes", result.stdout)
+    with read_file(bucket / delta_path(2)) as delta:
+        assert delta.header.encoding == "compact"
+    assert verify_bucket(str(bucket)).ok
+
+
+def test_inspect_decodes_a_compact_delta_as_a_raw_one(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    publish(tmp_path / "compact", "compact")
+    publish(tmp_path / "raw", "raw")
+
+    def decoded(root):
+        result = subprocess.run(
+            [sys.executable, "-m", "delta_sync.cli", "inspect", str(root / delta_path(3)), "--decode"],
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 0, result.stderr
+        return [json.loads(line) for line in result.stdout.splitlines()]
+
+    compact, raw = decoded(tmp_path / "compact"), decoded(tmp_path / "raw")
+    assert compact and [c["name"] for c in compact] == [r["name"] for r in raw]
+    for c, r in zip(compact, raw):
+        assert c["indices"] == r["indices"]
+        assert torch.equal(torch.tensor(c["values"]).to(torch.bfloat16), torch.tensor(r["values"]).to(torch.bfloat16))
