@@ -215,7 +215,7 @@ def test_grpo_trainer_publishes_and_a_replica_follows_bit_exactly(bucket_target,
 
     from trainers import FollowingReplica, grpo_trainer, same_bits, trainer_bits
 
-    sync = DeltaSyncCallback(bucket=bucket_target.url, anchor_every=3)
+    sync = DeltaSyncCallback(bucket=bucket_target.url, anchor_every=3, anchor_bytes_ratio=None)
     replica = FollowingReplica(sync, bucket_target.url)
     trainer = grpo_trainer(tmp_path, [sync, replica], steps=4)
     trainer.train()

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 def test_replica_is_bit_exact_after_every_step(tmp_path, capsys):
     bucket = tmp_path / "bucket"
-    sync = DeltaSyncCallback(bucket=str(bucket), anchor_every=3)
+    sync = DeltaSyncCallback(bucket=str(bucket), anchor_every=3, anchor_bytes_ratio=None)
     replica = FollowingReplica(sync, bucket)
     recorder = LogRecorder()
     trainer = grpo_trainer(tmp_path, [sync, replica, recorder], steps=8, gradient_accumulation_steps=2)

@@ -1,0 +1,53 @@
+"""`benchmarks/bench_delta.py --quick` runs end to end and writes a well-formed report (its
+numbers are checked for sanity, not speed: the benchmark measures, tests check correctness)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from vllm_server import REPO
+
+SUMMARY_KEYS = {
+    "entropy_bound_B",
+    "conditional_bound_B",
+    "compact_B",
+    "raw_B",
+    "best_peer_B",
+    "best_peer_name",
+    "trainer_step_x_clone",
+    "trl_v1_step_x_ours",
+    "apply_verify_x_clone",
+}
+
+
+@pytest.mark.timeout(600)
+def test_bench_delta_quick_writes_results(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "bench_delta.py"), "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "bytes per changed element" in result.stdout
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert {"qwen3-bf16", "qwen3-fp32"} <= set(report["variants"])
+    for name, variant in report["variants"].items():
+        summary = variant["summary"]
+        assert SUMMARY_KEYS <= set(summary), name
+        assert variant["steps"] and all(0 < row["changed_fraction"] < 1 for row in variant["steps"])
+        # Bytes per changed element: raw is int32 + bf16; every bound and coder sits well below it.
+        assert summary["raw_B"] == pytest.approx(6.0)
+        assert 0 < summary["conditional_bound_B"] <= summary["entropy_bound_B"] < summary["raw_B"]
+        assert 0 < summary["compact_B"] < summary["best_peer_B"] <= 4.5
+        assert summary["best_peer_name"] in {"trl_raw", "trl_gap", "pulse", "nemo_xor"}
+        for key in ("trainer_step_x_clone", "trl_v1_step_x_ours", "apply_verify_x_clone"):
+            assert summary[key] > 0, key
+    for row in report["verify_scaling"]:
+        assert row["verify_seconds"] > 0 and row["decode_seconds"] > 0
+    if any(name.startswith("minilm") for name in report["variants"]) or report["skipped"]:
+        assert len(report["variants"]) + len(report["skipped"]) == 4

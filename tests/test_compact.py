@@ -1,0 +1,394 @@
+"""The compact encoding: bit-exact round trips on real and random deltas, and damaged streams
+refused with a `FormatError` (never another exception, a hang, or a large allocation)."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+import torch
+
+from delta_sync import BF16ChangeDetector
+from delta_sync.compact import ENCODING, SUFFIX, decode_changes, encode_changes, entry_names
+from delta_sync.errors import ApplyError, FormatError
+from delta_sync.format import SparseChange, index_dtype
+
+from conftest import TwoTower, train_step
+
+pytestmark = pytest.mark.timeout(120)
+
+SOURCE = "deltas/step_00000002.safetensors"
+VERSION = 2  # first byte of a compact stream
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(torch.int16)
+
+
+def round_trip(changes: dict[str, SparseChange], previous: dict[str, torch.Tensor]) -> dict[str, SparseChange]:
+    entries = encode_changes(changes, previous)
+    assert sorted(entries) == sorted(entry_names(name)[0] for name in changes)
+    held = {name: tensor.clone() for name, tensor in previous.items()}
+    shapes = {name: tuple(previous[name].shape) for name in changes}
+    decoded = decode_changes(entries, held, shapes, source=SOURCE)
+    for name, tensor in previous.items():
+        assert torch.equal(bits(held[name]), bits(tensor)), "decoding must not modify the held weights"
+    assert sorted(decoded) == sorted(changes)
+    for name, change in changes.items():
+        got = decoded[name]
+        assert got.indices.dtype == index_dtype(previous[name].numel())
+        assert torch.equal(got.indices.long(), change.indices.long()), name
+        assert torch.equal(bits(got.values), bits(change.values)), name
+    return decoded
+
+
+def test_constants():
+    assert ENCODING == "compact"
+    assert entry_names("model.norm.weight") == ("model.norm.weight" + SUFFIX,)
+
+
+# -- real training streams ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16-params", "fp32-masters"])
+@pytest.mark.parametrize("lr", [1e-3, 1e-4])
+def test_round_trip_on_training_steps(dtype, lr):
+    torch.manual_seed(0)
+    model = TwoTower(dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    detector = BF16ChangeDetector(model, optimizer)
+    encoded_any = False
+    for step in range(1, 5):
+        train_step(model, optimizer, seed=step)
+        change_set = detector.changes()
+        # The detector has advanced its snapshot; put the old values back to get the state before.
+        previous = {}
+        for name, tensor in detector.snapshot.items():
+            before = tensor.clone()
+            if name in change_set.changes:
+                before.view(-1)[change_set.changes[name].indices.long()] = change_set.old_values[name]
+            previous[name] = before
+        round_trip(change_set.changes, previous)
+        encoded_any |= bool(change_set.changes)
+    detector.close()
+    assert encoded_any
+
+
+def test_smaller_than_raw_on_a_training_step():
+    torch.manual_seed(0)
+    model = TwoTower(torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    detector = BF16ChangeDetector(model, optimizer)
+    train_step(model, optimizer, seed=1)
+    before = {name: tensor.clone() for name, tensor in detector.snapshot.items()}
+    change_set = detector.changes()
+    entries = encode_changes(change_set.changes, before)
+    compact = sum(entry.numel() for entry in entries.values())
+    raw = 6 * change_set.changed_elements
+    assert compact < raw / 2
+    detector.close()
+
+
+# -- random masks and values ------------------------------------------------------------------------
+
+
+SPECIAL = torch.tensor(
+    [float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1e-40, -1e-40, 3.0e38], dtype=torch.bfloat16
+).view(torch.int16)
+
+
+def random_previous(generator: torch.Generator, numel: int, kind: str) -> torch.Tensor:
+    if kind == "weights":
+        tensor = (torch.randn(numel, generator=generator) * 0.02).to(torch.bfloat16)
+    elif kind == "bits":
+        tensor = torch.randint(-32768, 32768, (numel,), generator=generator, dtype=torch.int32)
+        tensor = tensor.to(torch.int16).view(torch.bfloat16)
+    else:  # weights sprinkled with NaN, Inf, +-0.0, subnormals
+        tensor = (torch.randn(numel, generator=generator) * 0.02).to(torch.bfloat16)
+        picks = torch.randint(0, numel, (max(1, numel // 10),), generator=generator)
+        choice = torch.randint(0, SPECIAL.numel(), picks.shape, generator=generator)
+        tensor.view(torch.int16)[picks] = SPECIAL[choice]
+    return tensor
+
+
+def random_change(generator: torch.Generator, previous: torch.Tensor, density: float, values: str) -> SparseChange:
+    numel = previous.numel()
+    if density >= 1:
+        indices = torch.arange(numel)
+    else:
+        indices = torch.nonzero(torch.rand(numel, generator=generator) < density).squeeze(1)
+        if indices.numel() == 0:
+            indices = torch.randint(0, numel, (1,), generator=generator)
+    old = previous.reshape(-1).view(torch.int16)[indices].to(torch.int32)
+    if values == "ulps":
+        steps = torch.randint(1, 4, indices.shape, generator=generator) * (
+            torch.randint(0, 2, indices.shape, generator=generator) * 2 - 1
+        )
+        new = old + steps
+    elif values == "special":
+        new = SPECIAL[torch.randint(0, SPECIAL.numel(), indices.shape, generator=generator)].to(torch.int32)
+    else:
+        new = torch.randint(-32768, 32768, indices.shape, generator=generator, dtype=torch.int32)
+    # Keep int16 wrap-around (e.g. 0x7FFF + 1) and make sure every listed element changes.
+    new = ((new + 32768) % 65536 - 32768).to(torch.int16)
+    same = new == old.to(torch.int16)
+    new[same] = new[same] ^ 1
+    return SparseChange(indices=indices.to(index_dtype(numel)), values=new.view(torch.bfloat16))
+
+
+def adam_like_change(generator: torch.Generator, previous: torch.Tensor, lr: float) -> SparseChange:
+    """Steps of about `lr` in random directions: whether the bf16 value moves depends on its exponent."""
+    step = lr * (
+        torch.randn(previous.shape, generator=generator).sign() + 0.3 * torch.randn(previous.shape, generator=generator)
+    )
+    new = (previous.float() + step).to(torch.bfloat16)
+    indices = torch.nonzero(new.view(torch.int16).reshape(-1) != previous.view(torch.int16).reshape(-1)).squeeze(1)
+    return SparseChange(indices=indices.to(index_dtype(previous.numel())), values=new.reshape(-1)[indices])
+
+
+@pytest.mark.parametrize("lr", [1e-5, 1e-4, 1e-3])
+def test_round_trip_exponent_dependent_changes(lr):
+    generator = torch.Generator().manual_seed(1)
+    previous = random_previous(generator, 300000, "special").reshape(300, 1000)
+    change = adam_like_change(generator, previous, lr)
+    round_trip({"w": change}, {"w": previous})
+    stream = encode_changes({"w": change}, {"w": previous})["w" + SUFFIX]
+    assert stream[1] > 1, "changes that follow the exponent are coded in several groups"
+
+
+def exponent_rate_change(generator: torch.Generator, previous: torch.Tensor, rates: dict[int, float]) -> SparseChange:
+    """Each element changes by 1-3 ULPs with a probability set by the exponent of its value
+    (`rates[e]`, or the rate of the nearest listed exponent below)."""
+    bits = previous.reshape(-1).view(torch.int16)
+    exponents = (bits.to(torch.int32) >> 7) & 0xFF
+    table = torch.zeros(256)
+    rate = 0.0
+    for exponent in range(256):
+        rate = rates.get(exponent, rate)
+        table[exponent] = rate
+    chosen = torch.rand(bits.numel(), generator=generator) < table[exponents]
+    indices = torch.nonzero(chosen).squeeze(1)
+    steps = torch.randint(1, 4, indices.shape, generator=generator) * (
+        torch.randint(0, 2, indices.shape, generator=generator) * 2 - 1
+    )
+    new = (bits[indices].to(torch.int32) + steps + 32768) % 65536 - 32768
+    return SparseChange(indices=indices.to(torch.int32), values=new.to(torch.int16).view(torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    "rates",
+    [
+        {0: 0.97, 112: 0.6, 113: 0.2, 114: 0.05, 115: 0.01, 116: 0.001, 117: 0.0},  # a run of groups
+        {0: 1.0, 114: 0.5, 116: 0.0005},  # all changed, then dense, then sparse
+        {0: 0.0, 113: 0.9999, 115: 0.0},  # changes in the middle only
+    ],
+)
+def test_round_trip_in_many_groups(rates):
+    generator = torch.Generator().manual_seed(len(rates))
+    previous = (torch.randn(400_000, generator=generator) * 0.02).to(torch.bfloat16)
+    change = exponent_rate_change(generator, previous, rates)
+    round_trip({"w": change}, {"w": previous})
+    stream = encode_changes({"w": change}, {"w": previous})["w" + SUFFIX]
+    assert stream[1] > 2, "changes whose rate follows the exponent are coded in several groups"
+
+
+def test_round_trip_with_exponents_far_apart():
+    # Magnitudes spread over a few exponents only, with nothing in between.
+    generator = torch.Generator().manual_seed(4)
+    magnitudes = torch.tensor([1e-30, 1e-3, 0.25, 3.0e4])
+    picks = torch.randint(0, 4, (200_000,), generator=generator)
+    signs = torch.randint(0, 2, (200_000,), generator=generator) * 2 - 1
+    jitter = 1 + 0.5 * torch.rand(200_000, generator=generator)
+    previous = (magnitudes[picks] * signs * jitter).to(torch.bfloat16)
+    change = exponent_rate_change(generator, previous, {0: 0.9, 110: 0.3, 120: 0.01, 135: 0.0001})
+    round_trip({"w": change}, {"w": previous})
+
+
+CASES = [
+    (1, 1.0, "weights", "ulps"),
+    (1, 1.0, "bits", "random"),
+    (2, 0.5, "special", "special"),
+    (17, 1.0, "special", "random"),
+    (1000, 0.01, "weights", "ulps"),
+    (5000, 0.3, "special", "special"),
+    (20000, 1.0, "weights", "ulps"),
+    (20000, 0.999, "weights", "random"),
+    (20000, 0.97, "special", "ulps"),
+    (50000, 0.02, "weights", "ulps"),
+    (50000, 0.5, "bits", "random"),
+    (100000, 0.00002, "weights", "ulps"),
+    (100000, 0.0005, "special", "random"),
+    (200000, 0.05, "weights", "ulps"),
+]
+
+
+@pytest.mark.parametrize("numel,density,previous_kind,values", CASES)
+def test_round_trip_random(numel, density, previous_kind, values):
+    generator = torch.Generator().manual_seed(numel * 7 + int(density * 1000))
+    previous = random_previous(generator, numel, previous_kind)
+    change = random_change(generator, previous, density, values)
+    round_trip({"w": change}, {"w": previous})
+
+
+def test_round_trip_many_seeds():
+    for seed in range(40):
+        generator = torch.Generator().manual_seed(seed)
+        numel = int(torch.randint(1, 30000, (1,), generator=generator))
+        density = float(torch.rand(1, generator=generator)) ** 3
+        kind = ["weights", "bits", "special"][seed % 3]
+        values = ["ulps", "random", "special"][(seed // 3) % 3]
+        previous = random_previous(generator, numel, kind).reshape(-1)
+        if numel % 4 == 0:
+            previous = previous.reshape(4, numel // 4)
+        round_trip({f"p{seed}": random_change(generator, previous, density, values)}, {f"p{seed}": previous})
+
+
+def test_nothing_changed_and_several_tensors():
+    generator = torch.Generator().manual_seed(3)
+    previous = {
+        "a": random_previous(generator, 4096, "weights").reshape(64, 64),
+        "b": random_previous(generator, 10, "special"),
+        "c": random_previous(generator, 70000, "weights"),
+    }
+    changes = {
+        "a": SparseChange(indices=torch.zeros(0, dtype=torch.int32), values=torch.zeros(0, dtype=torch.bfloat16)),
+        "b": random_change(generator, previous["b"], 1.0, "special"),
+        "c": random_change(generator, previous["c"], 0.01, "ulps"),
+    }
+    decoded = round_trip(changes, previous)
+    assert len(decoded["a"]) == 0
+
+
+def test_encoder_refuses_unsorted_indices():
+    previous = torch.zeros(10, dtype=torch.bfloat16)
+    change = SparseChange(indices=torch.tensor([3, 2], dtype=torch.int32), values=torch.ones(2, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="ascending"):
+        encode_changes({"w": change}, {"w": previous})
+
+
+# -- damaged streams --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def encoded():
+    generator = torch.Generator().manual_seed(11)
+    previous = random_previous(generator, 60000, "special")
+    change = adam_like_change(generator, previous, 1e-4)
+    stream = encode_changes({"w": change}, {"w": previous})["w" + SUFFIX]
+    assert stream[1] > 1
+    return previous, change, stream
+
+
+def decode_damaged(previous: torch.Tensor, stream: torch.Tensor) -> SparseChange | None:
+    """Decode; a FormatError is the expected refusal (None), any other exception fails the test."""
+    try:
+        return decode_changes({"w" + SUFFIX: stream}, {"w": previous}, {"w": tuple(previous.shape)}, source=SOURCE)["w"]
+    except FormatError as exc:
+        assert SOURCE in str(exc) and "w" + SUFFIX in str(exc)
+        return None
+
+
+def check_well_formed(previous: torch.Tensor, decoded: SparseChange | None) -> None:
+    if decoded is not None:
+        # Decoding may yield other weights (the receiver's checksums refuse those), but always a
+        # well-formed change: ascending in-range indices and one value each.
+        indices = decoded.indices.long()
+        assert indices.numel() == decoded.values.numel()
+        assert indices.numel() <= previous.numel()
+        if indices.numel():
+            assert int(indices[0]) >= 0 and int(indices[-1]) < previous.numel()
+            assert bool((indices[1:] > indices[:-1]).all())
+
+
+def test_truncations_are_refused(encoded):
+    previous, change, stream = encoded
+    for length in sorted({*range(0, 40), *np.linspace(40, stream.numel() - 1, 60).astype(int).tolist()}):
+        assert decode_damaged(previous, stream[:length].clone()) is None, f"truncated to {length} bytes"
+
+
+def test_flipped_bytes_never_crash(encoded):
+    previous, change, stream = encoded
+    generator = np.random.default_rng(5)
+    refused = 0
+    for trial in range(150):
+        damaged = stream.clone()
+        if trial % 2:
+            position = int(generator.integers(0, stream.numel()))
+            damaged[position] ^= int(generator.integers(1, 256))
+        else:  # the header, where counts and tables live
+            damaged[int(generator.integers(0, 40))] = int(generator.integers(0, 256))
+        decoded = decode_damaged(previous, damaged)
+        refused += decoded is None
+        check_well_formed(previous, decoded)
+    assert refused > 75
+
+
+def test_appended_bytes_are_refused(encoded):
+    previous, _, stream = encoded
+    for extra in (1, 3, 4, 8):
+        longer = torch.cat([stream, torch.full((extra,), 7, dtype=torch.uint8)])
+        assert decode_damaged(previous, longer) is None
+
+
+def test_wrong_entry_layout_is_refused(encoded):
+    previous, _, stream = encoded
+    shapes = {"w": tuple(previous.shape)}
+    with pytest.raises(FormatError, match="1-D uint8"):
+        decode_changes({"w" + SUFFIX: stream.view(torch.int8)}, {"w": previous}, shapes, source=SOURCE)
+    with pytest.raises(FormatError, match="1-D uint8"):
+        decode_changes({"w" + SUFFIX: stream[:40].reshape(4, 10)}, {"w": previous}, shapes, source=SOURCE)
+    with pytest.raises(FormatError, match="missing"):
+        decode_changes({}, {"w": previous}, shapes, source=SOURCE)
+    with pytest.raises(FormatError, match="unexpected"):
+        decode_changes({"w" + SUFFIX: stream, "w.indices": stream}, {"w": previous}, shapes, source=SOURCE)
+    with pytest.raises(ApplyError, match="not among the held weights"):
+        decode_changes({"w" + SUFFIX: stream}, {}, shapes, source=SOURCE)
+    with pytest.raises(ApplyError, match="held as"):
+        decode_changes({"w" + SUFFIX: stream}, {"w": previous[:-1]}, shapes, source=SOURCE)
+    with pytest.raises(ApplyError, match="held as"):
+        decode_changes({"w" + SUFFIX: stream}, {"w": previous.float()}, shapes, source=SOURCE)
+
+
+def header(groups: int, boundaries: list[int], counts: list[bytes], tables: list[bytes]) -> torch.Tensor:
+    data = bytes([VERSION, groups, *boundaries]) + b"".join(count + table for count, table in zip(counts, tables))
+    return torch.frombuffer(bytearray(data + b"\x02" + bytes(8)), dtype=torch.uint8)
+
+
+def varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((value & 0x7F) | (0x80 if value >> 7 else 0))
+        value >>= 7
+        if not value:
+            return bytes(out)
+
+
+def test_header_fields_are_validated():
+    previous = torch.zeros(1000, dtype=torch.bfloat16)
+    cases = {
+        "version": torch.tensor([9, 1, 0], dtype=torch.uint8),
+        "group count is 0": torch.tensor([VERSION, 0], dtype=torch.uint8),
+        "group count is 9": header(9, list(range(1, 9)), [b"\0"] * 9, [b""] * 9),
+        "not strictly ascending": header(3, [5, 5], [b"\0"] * 3, [b""] * 3),
+        "more than the": header(1, [], [varint(1001)], [b"\x00\x01"]),
+        "at most 28": header(1, [], [varint(3)], [bytes([40]) + bytes(41)]),
+        "value table of group 0 is empty": header(1, [], [varint(3)], [b"\x01\x00\x00"]),
+        "not a valid varint": torch.tensor([VERSION, 1, *([0xFF] * 12)], dtype=torch.uint8),
+    }
+    for message, stream in cases.items():
+        with pytest.raises(FormatError, match=message):
+            decode_changes({"w" + SUFFIX: stream}, {"w": previous}, {"w": (1000,)}, source=SOURCE)
+
+
+def test_a_huge_claimed_count_is_refused_before_allocating():
+    previous = torch.zeros(1000, dtype=torch.bfloat16)
+    stream = header(1, [], [varint(2**40)], [b"\x01\x05\x05"])
+    tracemalloc.start()
+    try:
+        with pytest.raises(FormatError, match="more than the 1000 possible"):
+            decode_changes({"w" + SUFFIX: stream}, {"w": previous}, {"w": (1000,)}, source=SOURCE)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
