@@ -20,7 +20,7 @@ from delta_sync.errors import (
 from delta_sync.format import Delta, SparseChange, write_delta
 from delta_sync.layout import anchor_path, delta_path
 
-from conftest import assert_bit_exact, bf16_state, replica_receiver
+from conftest import PublishedRun, assert_bit_exact, bf16_state, replica_receiver
 
 
 def test_catch_up_then_follow_file_by_file(run):
@@ -291,3 +291,15 @@ def test_delta_file_object_can_be_applied_directly(run):
     delta = read_file(run.root / delta_path(5))
     assert isinstance(delta, Delta)
     assert receiver.apply(delta).version == 5
+
+
+def test_a_replica_ahead_of_the_buckets_pointer_goes_back_to_it(tmp_path):
+    # As after a crash-safe resume: latest.json steps back to v4 while a replica holds v5.
+    run = PublishedRun(tmp_path / "bucket", versions=4, anchor_every=3, keep_anchors=10)
+    pointer_at_4 = (run.root / "latest.json").read_bytes()
+    run.step()
+    receiver, replica = replica_receiver()
+    assert receiver.update(run.root).version == 5
+    (run.root / "latest.json").write_bytes(pointer_at_4)
+    assert receiver.update(run.root).version == 4
+    assert_bit_exact(run.states[4], bf16_state(replica))

@@ -467,22 +467,23 @@ class Receiver:
         return Latest.from_json(bucket.read_bytes(LATEST), source=source, verify_key=self.verify_key)
 
     def _follow(self, latest: Latest) -> None:
-        """Notice when the bucket has moved on to another run or another start of it: the
-        held weights are then from an abandoned trajectory, or another run, and only an
-        anchor of the bucket's may replace them."""
-        if self.version is None or (latest.run_id == self.run_id and latest.owns(self.version, self.epoch or "")):
+        """Notice when what is held is not on the bucket's trajectory: another run, an
+        abandoned start of this one, a version past the bucket's pointer, or the pointer's
+        version with other weights. Only an anchor of the bucket's may then replace it."""
+        if self.version is None:
             return
-        what = "another run" if latest.run_id != self.run_id else "a restart of the run"
-        logger.warning(
-            "delta-sync: the bucket now holds %s (run %s, epoch %s; held: run %s, epoch %s, v%s)",
-            what,
-            latest.run_id,
-            latest.epoch or "-",
-            self.run_id,
-            self.epoch or "-",
-            self.version,
-        )
-        self._distrust(f"the bucket moved on to {what}")
+        if latest.run_id != self.run_id:
+            problem = f"the bucket moved on to another run ({latest.run_id})"
+        elif not latest.owns(self.version, self.epoch or ""):
+            problem = f"the bucket moved on to a restart of the run (epoch {latest.epoch or '-'})"
+        elif self.version > latest.version:
+            problem = f"version {self.version} is held, but the bucket's latest.json names {latest.version}"
+        elif self.version == latest.version and self.model_checksum != latest.model_checksum:
+            problem = f"version {self.version} is held with other weights than the bucket's latest.json names"
+        else:
+            return
+        logger.warning("delta-sync: %s; the next update loads an anchor", problem)
+        self._distrust(problem)
 
     # -- finding the files --------------------------------------------------------------------
 
