@@ -39,6 +39,7 @@ from torch import nn
 
 from delta_sync import BF16ChangeDetector, Publisher, Receiver, module_weight_loader, read_file
 from delta_sync.layout import anchor_path, delta_path
+from delta_sync.signing import SIGNATURE_SUFFIX, FileSignature, SigningKey, file_sha256
 
 
 def qwen_like_shapes(params: float, hidden: int = 1024, vocab: int = 32768) -> dict[str, tuple[int, ...]]:
@@ -101,6 +102,12 @@ class NoStep(torch.optim.Optimizer):
         return None
 
 
+def check_signature(root: Path, path: str, key: SigningKey) -> None:
+    """What a replica with a verify key does before reading a file: hash it, check the signature."""
+    signature = FileSignature.from_json((root / (path + SIGNATURE_SUFFIX)).read_bytes(), source=path)
+    key.verify_key.verify_file(path, file_sha256(root / path), signature)
+
+
 def timed(fn) -> float:
     started = time.perf_counter()
     fn()
@@ -125,7 +132,8 @@ def main(argv: list[str] | None = None) -> dict:
     work = Path(tempfile.mkdtemp(prefix="bench-sync-"))
     optimizer = NoStep(model.params)
     detector = BF16ChangeDetector(model, optimizer)
-    publisher = Publisher(work / "bucket", detector, anchor_every=10**9, background=False)
+    signing_key = SigningKey.generate()
+    publisher = Publisher(work / "bucket", detector, anchor_every=10**9, background=False, signing_key=signing_key)
     detector.mark_changed()
     optimizer.step()
     publisher.publish(1)  # the anchor; not measured
@@ -138,7 +146,17 @@ def main(argv: list[str] | None = None) -> dict:
 
     trl_previous = {name: p.detach().to(torch.bfloat16).cpu().clone() for name, p in model.named_parameters()}
     rows: dict[str, list[float]] = {
-        key: [] for key in ("clone", "delta_sync", "trl_v1", "verify_apply", "load", "anchor_load")
+        key: []
+        for key in (
+            "clone",
+            "delta_sync",
+            "trl_v1",
+            "verify_apply",
+            "signature",
+            "load",
+            "anchor_load",
+            "anchor_signature",
+        )
     }
     bytes_per_step, changed_per_step = [], []
     for step in range(2, args.steps + 2):
@@ -170,6 +188,9 @@ def main(argv: list[str] | None = None) -> dict:
 
         delta = read_file(work / "bucket" / delta_path(step))
         rows["verify_apply"].append(timed(lambda delta=delta: receiver.apply(delta)))
+        rows["signature"].append(
+            timed(lambda step=step: check_signature(work / "bucket", delta_path(step), signing_key))
+        )
         assert receiver.model_checksum == report.model_checksum
         changed = [(name, receiver.weights[name]) for name in sorted(delta.changes)]
         rows["load"].append(timed(lambda changed=changed: load(changed)))
@@ -183,6 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     for _ in range(min(3, args.steps)):
         rows["anchor_load"].append(timed(anchor_load))
+        rows["anchor_signature"].append(timed(lambda: check_signature(work / "bucket", anchor_path(1), signing_key)))
 
     median = {key: statistics.median(values) for key, values in rows.items()}
     result = {
@@ -195,6 +217,8 @@ def main(argv: list[str] | None = None) -> dict:
             "trl_v1 / delta_sync": median["trl_v1"] / median["delta_sync"],
             "verify_apply / anchor_load": median["verify_apply"] / median["anchor_load"],
             "load / anchor_load": median["load"] / median["anchor_load"],
+            "signature / verify_apply": median["signature"] / median["verify_apply"],
+            "anchor_signature / anchor_load": median["anchor_signature"] / median["anchor_load"],
         },
         "delta_bytes_per_step": statistics.median(bytes_per_step),
         "bytes_per_changed_element": statistics.median(b / c for b, c in zip(bytes_per_step, changed_per_step)),
@@ -220,6 +244,14 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"{'replica: delta verify + apply to snapshot':<44} {median['verify_apply']:>10.4f} "
         f"{result['ratios']['verify_apply / anchor_load']:>7.2f}x  O(changed), while generating"
+    )
+    print(
+        f"{'replica: delta signature (SHA-256 + Ed25519)':<44} {median['signature']:>10.4f} "
+        f"{result['ratios']['signature / verify_apply']:>7.2f}x  of the delta's verify + apply"
+    )
+    print(
+        f"{'replica: anchor signature (SHA-256 + Ed25519)':<44} {median['anchor_signature']:>10.4f} "
+        f"{result['ratios']['anchor_signature / anchor_load']:>7.2f}x  of a full anchor load"
     )
     print(
         f"{'replica: load changed tensors (the pause)':<44} {median['load']:>10.4f} "

@@ -120,6 +120,8 @@ class VerifyKey:
         self._key = key
         raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
         self.key_id = _key_id(raw)
+        #: The key as PEM text: what `delta-sync.pub` and `DELTA_SYNC_VERIFY_KEY` hold.
+        self.pem = key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
 
     @classmethod
     def load(cls, source: str | os.PathLike) -> VerifyKey:
@@ -225,11 +227,8 @@ class SigningKey:
         fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as handle:
             handle.write(pem)
-        public_pem = self.verify_key._key.public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
         with open(public, "xb") as handle:
-            handle.write(public_pem)
+            handle.write(self.verify_key.pem)
         return private, public
 
 

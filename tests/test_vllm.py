@@ -18,6 +18,7 @@ import torch
 from delta_sync import BF16ChangeDetector, Publisher, read_file
 from delta_sync.integrity import model_checksum, tensor_checksum
 from delta_sync.layout import anchor_path, delta_path
+from delta_sync.signing import SigningKey
 from delta_sync.trainer.replicas import ReplicaSet
 
 from vllm_server import REPO, free_port, vllm_python
@@ -25,6 +26,7 @@ from vllm_server import REPO, free_port, vllm_python
 pytestmark = pytest.mark.slow
 
 PROMPT = [7, 42, 99, 123, 5, 300, 17, 256, 64, 8, 77, 401]
+SIGNING_KEY = SigningKey.generate()
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
@@ -45,6 +47,7 @@ class TinyTrainer:
             anchor_bytes_ratio=None,  # a predictable schedule: anchors by count only
             keep_anchors=keep_anchors,
             background=False,
+            signing_key=SIGNING_KEY,  # the guarded server below applies only signed versions
         )
         self.bucket = self.publisher.bucket.url
         self.version = 0
@@ -466,10 +469,37 @@ def guarded_server(served_model, bucket_root, tmp_path_factory):
         log_path=logs / "server.log",
         cache_dir=logs / "cache",
         api_token=API_TOKEN,
+        extra_env={"DELTA_SYNC_VERIFY_KEY": SIGNING_KEY.verify_key.pem.decode()},
     )
     server.start()
     yield server
     server.stop()
+
+
+def test_a_server_with_a_verify_key_refuses_a_forged_delta(guarded_server, trainer):
+    """Someone who can write the bucket rewrites delta 2 with recomputed checksums: a server
+    that trusts only the trainer's key refuses it and keeps serving what it holds."""
+    from delta_sync.format import SparseChange, write_delta
+
+    for _ in range(3):
+        trainer.step()
+    assert guarded_server.update(trainer.bucket, anchor_path(1)).status_code == 200
+    held = guarded_server.status()
+    root = trainer.publisher.bucket.local_path(delta_path(2)).parent.parent
+    forged = read_file(root / delta_path(2))
+    name = sorted(forged.changes)[0]
+    change = forged.changes[name]
+    values = change.values.clone()
+    values[0] = 9984.0
+    (root / delta_path(2)).unlink()
+    write_delta(root / delta_path(2), {**forged.changes, name: SparseChange(change.indices, values)}, forged.header)
+    response = guarded_server.update(trainer.bucket, delta_path(2))
+    assert response.status_code != 200 and "SignatureError" in response.text, response.text
+    assert guarded_server.status() == held
+    # A catch-up cannot chain past the forged delta; it lands on v4 through v4's signed anchor.
+    trainer.step()
+    assert guarded_server.update(trainer.bucket).status_code == 200
+    assert guarded_server.status()["model_checksum"] == trainer.checksum()
 
 
 def test_weight_routes_refuse_requests_without_the_token(guarded_server, trainer):
