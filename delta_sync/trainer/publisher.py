@@ -763,7 +763,8 @@ class Publisher:
         self.bucket.upload(path + SIGNATURE_SUFFIX, self.signing_key.sign(path, sha256).to_json(), overwrite=False)
 
     def _apply_retention(self) -> None:
-        anchors = step_versions(self.bucket.list("anchors"), "anchor")
+        stored_anchors = self.bucket.list("anchors")
+        anchors = step_versions(stored_anchors, "anchor")
         if len(anchors) <= self.keep_anchors:
             return
         oldest_kept = anchors[-self.keep_anchors]
@@ -772,7 +773,7 @@ class Publisher:
             kind, version = parse_step_path(path) or ("", oldest_kept)
             return version < oldest_kept if kind == "anchor" else version <= oldest_kept
 
-        paths = [path for path in self.bucket.list("anchors") + self.bucket.list("deltas") if doomed(path)]
+        paths = [path for path in stored_anchors + self.bucket.list("deltas") if doomed(path)]
         self.bucket.delete(paths)
         logger.info("delta-sync: retention removed %d file(s) older than anchor v%d", len(paths), oldest_kept)
 
