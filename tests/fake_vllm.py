@@ -185,12 +185,12 @@ class FakeVLLM:
 
     def worker_statuses(self) -> list[dict[str, Any]]:
         """What `/collective_rpc` [`STATUS_METHOD`] answers: one status per worker."""
-        receiver = self.receiver
+        served = self.receiver.serving  # as the real worker reports: what the model holds
         genuine = ReplicaStatus(
-            version=receiver.version,
-            anchor_version=receiver.anchor_version,
-            run_id=receiver.run_id,
-            model_checksum=receiver.model_checksum,
+            version=served.version,
+            anchor_version=served.anchor_version,
+            run_id=served.run_id,
+            model_checksum=served.model_checksum,
             pending=0,  # nothing to load: the snapshot is the served model
             updating=self.updating,
         ).to_dict()

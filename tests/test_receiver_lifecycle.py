@@ -249,3 +249,14 @@ def test_abort_of_a_noop_update_changes_nothing(run, at_v3):
     assert_same_snapshot(before, receiver)
     assert receiver.update(run.root, delta_path(4)).version == 4
     assert_bit_exact(run.states[4], bf16_state(replica))
+
+
+def test_a_prepared_update_is_not_reported_as_served_until_committed(run, at_v3):
+    receiver, _ = at_v3
+    served = receiver.serving
+    assert served.version == 3
+    pending = receiver.prepare(run.root, delta_path(4))
+    assert receiver.version == 4  # the snapshot is ahead...
+    assert receiver.serving == served  # ...but the model still serves v3
+    pending.commit()
+    assert receiver.serving.version == 4 and receiver.serving.model_checksum == receiver.model_checksum

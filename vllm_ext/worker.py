@@ -44,11 +44,13 @@ class DeltaWorkerExtension:
             )
         receiver = engine.receiver
         pending = receiver.pending
+        # What the model serves: while an update is prepared, the snapshot is ahead of it.
+        served = receiver.serving
         return ReplicaStatus(
-            version=receiver.version,
-            anchor_version=receiver.anchor_version,
-            run_id=receiver.run_id,
-            model_checksum=receiver.model_checksum,
+            version=served.version,
+            anchor_version=served.anchor_version,
+            run_id=served.run_id,
+            model_checksum=served.model_checksum,
             pending=len(pending.names) if pending is not None else 0,
             updating=engine.updating,
         ).to_dict()

@@ -48,7 +48,7 @@ from ..sparse import gather, scatter_
 from ..storage import Bucket, clean_path, open_bucket
 from ..storage.cache import DownloadCache
 
-__all__ = ["ApplyResult", "LoadWeights", "PendingUpdate", "Receiver", "expected_shapes_of", "module_weight_loader"]
+__all__ = ["ApplyResult", "Held", "LoadWeights", "PendingUpdate", "Receiver", "expected_shapes_of", "module_weight_loader"]
 
 logger = logging.getLogger("delta_sync")
 
@@ -81,6 +81,23 @@ def module_weight_loader(module: nn.Module) -> LoadWeights:
 
     load_weights.expected_shapes = expected_shapes_of(module)  # type: ignore[attr-defined]
     return load_weights
+
+
+@dataclass(frozen=True)
+class Held:
+    """A version as a receiver holds it.
+
+    Args:
+        version: The version, or None.
+        anchor_version: The anchor it descends from.
+        run_id: The run it belongs to.
+        model_checksum: Digest of its bf16 weights.
+    """
+
+    version: int | None
+    anchor_version: int | None
+    run_id: str | None
+    model_checksum: str | None
 
 
 @dataclass(frozen=True)
@@ -322,6 +339,7 @@ class Receiver:
         # Why the next update must load an anchor (the model and the snapshot may differ), or None.
         self._anchor_needed: str | None = None
         self._pending: PendingUpdate | None = None
+        self._serving = Held(None, None, None, None)
         self._lock = threading.RLock()
 
     @property
@@ -455,8 +473,20 @@ class Receiver:
         return opened
 
     def _open_pending(self) -> PendingUpdate:
+        self._serving = self._held()
         self._pending = PendingUpdate(self)
         return self._pending
+
+    def _held(self) -> Held:
+        return Held(self.version, self.anchor_version, self.run_id, self.model_checksum)
+
+    @property
+    def serving(self) -> Held:
+        """What the model holds: the version last committed. While an update is prepared
+        and not yet committed, the snapshot is ahead of the model, and this still names
+        what the model serves (what a replica reports)."""
+        with self._lock:
+            return self._serving if self._pending is not None else self._held()
 
     def _refuse_if_pending(self, method: str) -> None:
         if self._pending is not None:
