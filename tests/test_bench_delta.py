@@ -45,9 +45,13 @@ def test_bench_delta_quick_writes_results(tmp_path):
         assert 0 < summary["conditional_bound_B"] <= summary["entropy_bound_B"] < summary["raw_B"]
         assert 0 < summary["compact_B"] < summary["best_peer_B"] <= 4.5
         assert summary["best_peer_name"] in {"trl_raw", "trl_gap", "pulse", "nemo_xor"}
-        for key in ("trainer_step_x_clone", "trl_v1_step_x_ours", "apply_verify_x_clone"):
+        for key in ("trainer_step_x_clone", "trl_v1_step_x_ours", "apply_verify_x_clone", "decode_ns_per_changed"):
             assert summary[key] > 0, key
     for row in report["verify_scaling"]:
         assert row["verify_seconds"] > 0 and row["decode_seconds"] > 0
+    speed = report["codec_speed"]
+    assert 0 < speed["changed"] < speed["numel"] and 0 < speed["bytes_per_changed"] < 1.5
+    for what in ("encode", "decode", "clone"):
+        assert speed[what]["wall_seconds"] > 0 and speed[what]["wall_ns_per_element"] > 0, what
     if any(name.startswith("minilm") for name in report["variants"]) or report["skipped"]:
         assert len(report["variants"]) + len(report["skipped"]) == 4

@@ -48,7 +48,15 @@ from ..sparse import gather, scatter_
 from ..storage import Bucket, clean_path, open_bucket
 from ..storage.cache import DownloadCache
 
-__all__ = ["ApplyResult", "Held", "LoadWeights", "PendingUpdate", "Receiver", "expected_shapes_of", "module_weight_loader"]
+__all__ = [
+    "ApplyResult",
+    "Held",
+    "LoadWeights",
+    "PendingUpdate",
+    "Receiver",
+    "expected_shapes_of",
+    "module_weight_loader",
+]
 
 logger = logging.getLogger("delta_sync")
 
