@@ -39,6 +39,8 @@ def test_benchmark_runs_and_writes_its_table(tmp_path):
         "trl_v1 / delta_sync",
         "verify_apply / anchor_load",
         "load / anchor_load",
+        "signature / verify_apply",
+        "anchor_signature / anchor_load",
     }
     assert report["snapshot_bytes_trainer"] == report["snapshot_bytes_replica"] == report["full_bf16_bytes"]
     assert 5.9 < report["bytes_per_changed_element"] < 7.0
