@@ -165,3 +165,20 @@ def vllm_server(served_model, bucket_root, hub_server, tmp_path_factory):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def stepwise(tmp_path):
+    """A run with only version 1 published; tests publish the next ones with `step()`."""
+    published = PublishedRun(tmp_path / "bucket", versions=1)
+    yield published
+    published.close()
+
+
+@pytest.fixture
+def server():
+    """A fake vLLM server (tests/fake_vllm.py) with a real Receiver behind it."""
+    from fake_vllm import FakeVLLM
+
+    with FakeVLLM() as fake:
+        yield fake

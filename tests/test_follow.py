@@ -37,20 +37,6 @@ def wait_for(condition, timeout: float = WAIT_SECONDS) -> None:
         time.sleep(0.01)
 
 
-@pytest.fixture
-def stepwise(tmp_path):
-    """A run with only version 1 published; tests publish the next ones with `step()`."""
-    published = PublishedRun(tmp_path / "bucket", versions=1)
-    yield published
-    published.close()
-
-
-@pytest.fixture
-def server():
-    with FakeVLLM() as fake:
-        yield fake
-
-
 def record_applied(server: FakeVLLM) -> list[str]:
     """Every file the server's receiver applies from now on, in order (no-ops add nothing)."""
     applied: list[str] = []

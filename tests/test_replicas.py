@@ -36,20 +36,6 @@ WAIT_SECONDS = 60
 
 
 @pytest.fixture
-def stepwise(tmp_path):
-    """A run with only version 1 published; tests publish the next ones with `step()`."""
-    published = PublishedRun(tmp_path / "bucket", versions=1)
-    yield published
-    published.close()
-
-
-@pytest.fixture
-def server():
-    with FakeVLLM() as fake:
-        yield fake
-
-
-@pytest.fixture
 def replica(server):
     client = Replica(server.url, retry_seconds=10.0, timeout=30.0)
     yield client
