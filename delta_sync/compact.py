@@ -21,11 +21,15 @@ snapshot) and every replica (its held weights) both have:
   step in ULPs also follows the exponent. Where a group's changed elements are coded, the
   gap before each and its value form one symbol of a joint model.
 
-Both are coded with `constriction`'s ANS coder, a few calls per group. Grouping reads the
-previous tensor once (its exponent bytes, then per group boundary a byte compare and a
-`packbits`); everything else is O(changed elements), on the encoder and the decoder
-alike: the encoder ranks each change among its group with a popcount, the decoder finds
-the element of each decoded rank from per-word member counts and an in-word select.
+Both are coded with `constriction`'s ANS coder, a few calls per group. The passes over
+whole tensors are compiled (numba, cached on disk: the first call in a process loads them in
+about a second, the very first on a machine compiles them in a few): the encoder reads the
+previous tensor once, counting group members with one-byte counters packed in a 64-bit
+word, and looks each change's rank up among them; the decoder counts the groups' sizes in
+one pass and finds the element of every decoded rank, all groups at once and in ascending
+order, in a second. Everything else is O(changed elements). The encoder can read the
+previous tensor as the tensor after the change plus the old values of the changed elements
+(`old_values`), so a trainer codes against its advanced snapshot without copying it.
 
 Each parameter becomes one uint8 tensor `{name}.compact` (see [`entry_names`]). Its layout,
 little-endian, is:
@@ -61,6 +65,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import constriction
+import numba
 import numpy as np
 import torch
 
@@ -94,8 +99,6 @@ _MIN_GROUPED_CHANGES = 256
 _MAX_ATOMS = 48
 # A group boundary costs a pass over the tensor: it must save more than this many bits per element.
 _GROUP_PENALTY = 1 / 1024
-# Elements per chunk of the grouping pass (its temporaries are a byte per element).
-_CHUNK = 1 << 22
 # Boundaries are chosen from the exponents of a sample: one element in _SAMPLE_EVERY, in runs
 # of _SAMPLE_RUN, and at least _SAMPLE_RUNS runs.
 _SAMPLE_EVERY = 32
@@ -103,13 +106,6 @@ _SAMPLE_RUNS = 16
 _SAMPLE_RUN = 1024
 # Log-scale frequencies: probability of a value class is 2^((q - 1) / 4) for q in 1..255.
 _QUARTER_POWERS = np.array([1.0, 1.189207115002721, 1.4142135623730951, 1.681792830507429])
-
-_SELECT8 = np.zeros((256, 8), dtype=np.uint8)  # position of the r-th set bit of a byte
-for _value in range(256):
-    _bits = [bit for bit in range(8) if _value >> bit & 1]
-    _SELECT8[_value, : len(_bits)] = _bits
-del _value, _bits
-_POP8 = np.array([bin(v).count("1") for v in range(256)], dtype=np.uint8)
 
 _Categorical = constriction.stream.model.Categorical
 _UNIFORM = constriction.stream.model.Uniform()
@@ -129,14 +125,21 @@ def entry_names(name: str) -> tuple[str, ...]:
 
 
 def encode_changes(
-    changes: Mapping[str, SparseChange], previous: Mapping[str, torch.Tensor]
+    changes: Mapping[str, SparseChange],
+    previous: Mapping[str, torch.Tensor],
+    *,
+    old_values: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Encode the changed elements of each parameter in the compact encoding.
 
     Args:
         changes: Parameter name -> its changed elements (CPU; indices strictly ascending).
         previous: Parameter name -> the full bf16 tensor *before* the change: the trainer's
-            snapshot before it advances, which equals what every replica holds.
+            snapshot before it advances, which equals what every replica holds. With
+            `old_values`, the tensor *after* the change instead (e.g. the snapshot once
+            advanced), read as before through `old_values`: no copy of it is made.
+        old_values: Parameter name -> the bf16 values the changed elements had before,
+            aligned with `changes[name].indices` (as `ChangeSet.old_values` holds them).
 
     Returns:
         The safetensors entries to store: one 1-D uint8 tensor per parameter, named as
@@ -145,12 +148,18 @@ def encode_changes(
     Example:
         ```python
         >>> entries = encode_changes({"w": SparseChange(indices, values)}, {"w": w_before})
+        >>> entries = encode_changes(change_set.changes, detector.snapshot, old_values=change_set.old_values)
         >>> save_file(entries, "delta.safetensors", metadata={"encoding": ENCODING, ...})
         ```
     """
-    # By changed count: `previous` may build each tensor on access (the publisher's does).
+    # By changed count: `previous` may build each tensor on access.
     names = _largest_first(changes, lambda name: len(changes[name]))
-    streams = parallel_map(lambda name: _encode_tensor(name, changes[name], previous[name]), names)
+    streams = parallel_map(
+        lambda name: _encode_tensor(
+            name, changes[name], previous[name], None if old_values is None else old_values[name]
+        ),
+        names,
+    )
     encoded = dict(zip(names, streams))
     return {entry_names(name)[0]: torch.from_numpy(encoded[name]) for name in sorted(changes)}
 
@@ -226,48 +235,180 @@ def _position_dtype(numel: int) -> type:
     return np.int32 if numel < 2**31 else np.int64
 
 
-def _encode_tensor(name: str, change: SparseChange, previous: torch.Tensor) -> np.ndarray:
-    prev_bits, indices, new_bits = _encoder_inputs(name, change, previous)
-    old_bits = prev_bits[indices]
-    zigzag = _zigzag(new_bits, old_bits)
-    classes = _CLASS_OF[zigzag]
-    exponents = _exponents(old_bits)
-    # Changes per (exponent, value class): every choice of the encoder is made from these.
-    class_counts = np.bincount(exponents.astype(np.intp) * _CLASSES + classes, minlength=256 * _CLASSES)
-    class_counts = class_counts.reshape(256, _CLASSES)
-    boundaries = _choose_boundaries(prev_bits, class_counts)
-    index = _GroupIndex.build(prev_bits, boundaries)
+def _encode_tensor(
+    name: str, change: SparseChange, previous: torch.Tensor, old_values: torch.Tensor | None = None
+) -> np.ndarray:
+    bits, indices, new_bits, old_bits = _encoder_inputs(name, change, previous, old_values)
+    # One pass over the changes: value codes, their classes, and changes per (exponent, class),
+    # from which every choice of the encoder is made.
+    zigzag, classes, class_counts = _classify(new_bits, old_bits)
+    boundaries = _choose_boundaries(
+        bits, class_counts, lambda: _sample_counts(bits, indices, old_bits, patched=old_values is not None)
+    )
     group_counts = np.add.reduceat(class_counts, [0, *boundaries], axis=0)
-    groups = _Groups(index.counts, group_counts.sum(axis=1).tolist(), _class_tables(group_counts))
+    changed = group_counts.sum(axis=1).tolist()
     ops: list[_Op] = []
-    if index.groups == 1:
+    if not boundaries:
+        groups = _Groups([bits.size], changed, _class_tables(group_counts))
         if indices.size:
             groups.encode(0, ops, indices, classes, zigzag)
-    else:
-        order = np.argsort(_group_table(boundaries)[exponents], kind="stable")  # by group (a radix sort)
-        indices, classes, zigzag = indices[order], classes[order], zigzag[order]
-        start = 0
-        for group, changed in enumerate(groups.changed):
-            if changed:
-                chosen = slice(start, start + changed)
-                groups.encode(group, ops, index.rank(indices[chosen], group), classes[chosen], zigzag[chosen])
-                start += changed
+        return _assemble(boundaries, groups, ops)
+    # One pass over the tensor: each change's rank among its group, and the groups' sizes;
+    # then the changes ordered by group (a counting sort, stable).
+    counts = np.zeros(len(boundaries) + 1, np.int64)
+    ranks, order = _rank_changes(bits, _group_table(boundaries), indices, old_bits, counts)
+    groups = _Groups(counts.tolist(), changed, _class_tables(group_counts))
+    ranks, classes, zigzag = ranks[order], classes[order], zigzag[order]
+    start = 0
+    for group, count in enumerate(changed):
+        if count:
+            chosen = slice(start, start + count)
+            groups.encode(group, ops, ranks[chosen], classes[chosen], zigzag[chosen])
+            start += count
     return _assemble(boundaries, groups, ops)
 
 
-def _encoder_inputs(name: str, change: SparseChange, previous: torch.Tensor) -> tuple[np.ndarray, ...]:
-    """`(previous bits, indices, new bits)` as flat arrays, checked."""
+def _encoder_inputs(
+    name: str, change: SparseChange, previous: torch.Tensor, old_values: torch.Tensor | None
+) -> tuple[np.ndarray, ...]:
+    """`(tensor bits, indices, new bits, old bits)` as flat arrays, checked."""
     if previous.dtype != torch.bfloat16:
         raise TypeError(f"{name}: previous tensor is {previous.dtype}, expected bfloat16")
-    prev_bits = _flat_bits(previous)
-    numel = prev_bits.size
+    bits = _flat_bits(previous)
+    numel = bits.size
     indices = change.indices.detach().reshape(-1).cpu().numpy().astype(_position_dtype(numel), copy=False)
     new_bits = _flat_bits(change.values)
     if indices.size != new_bits.size:
         raise ValueError(f"{name}: {indices.size} indices but {new_bits.size} values")
-    if indices.size and (indices[0] < 0 or indices[-1] >= numel or np.any(indices[1:] <= indices[:-1])):
+    if indices.size and not _strictly_ascending(indices, numel):
         raise ValueError(f"{name}: indices must be strictly ascending positions in [0, {numel})")
-    return prev_bits, indices, new_bits
+    if old_values is None:
+        return bits, indices, new_bits, bits[indices]
+    old_bits = _flat_bits(old_values)
+    if old_bits.size != indices.size:
+        raise ValueError(f"{name}: {indices.size} indices but {old_bits.size} old values")
+    return bits, indices, new_bits, old_bits
+
+
+@numba.njit(nogil=True, cache=True)
+def _strictly_ascending(indices: np.ndarray, numel: int) -> bool:
+    if indices[0] < 0 or indices[-1] >= numel:
+        return False
+    for i in range(1, indices.size):
+        if indices[i] <= indices[i - 1]:
+            return False
+    return True
+
+
+@numba.njit(nogil=True, cache=True)
+def _classify(new_bits: np.ndarray, old_bits: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`(zigzag values, their classes, changes per (old exponent, class))` in one pass."""
+    zigzag = np.empty(new_bits.size, np.uint16)
+    classes = np.empty(new_bits.size, np.uint8)
+    counts = np.zeros((256, _CLASSES), np.int64)
+    for i in range(new_bits.size):
+        diff = np.int16(new_bits[i] - old_bits[i])  # wraps, as the bit patterns do
+        code = np.uint16((np.int32(diff) << 1) ^ (np.int32(diff) >> 15))
+        value_class = _class_of(code)
+        zigzag[i] = code
+        classes[i] = value_class
+        counts[(old_bits[i] >> 7) & 0xFF, value_class] += 1
+    return zigzag, classes, counts
+
+
+@numba.njit(inline="always")
+def _class_of(code):
+    """Value class of a zigzag code: codes below 16 are their own class; above, one class per
+    bit length (the bits below the leading one are coded raw)."""
+    if code < _DIRECT_CLASSES:
+        return np.uint8(code)
+    length = 0
+    while code:
+        code >>= 1
+        length += 1
+    return np.uint8(length + 11)
+
+
+def _sample_counts(bits: np.ndarray, indices: np.ndarray, old_bits: np.ndarray, *, patched: bool) -> np.ndarray:
+    """Elements per exponent in a sample of the previous tensor: one element in
+    `_SAMPLE_EVERY` (at least `_SAMPLE_RUNS * _SAMPLE_RUN`), in runs spread evenly over the
+    tensor (runs rather than a stride, so that the sample reads a few cache lines rather
+    than one per element). With `patched`, `bits` is the tensor after the change, and its
+    changed elements count with their old exponent."""
+    runs = max(_SAMPLE_RUNS, bits.size // (_SAMPLE_EVERY * _SAMPLE_RUN))
+    if bits.size <= runs * _SAMPLE_RUN:
+        runs, step, length = 1, 0, bits.size
+    else:
+        step, length = (bits.size - _SAMPLE_RUN) // (runs - 1), _SAMPLE_RUN
+    return _run_histogram(bits, runs, step, length, indices, old_bits, patched)
+
+
+@numba.njit(nogil=True, cache=True)
+def _run_histogram(bits, runs, step, length, indices, old_bits, patched):
+    counts = np.zeros(256, np.int64)
+    for run in range(runs):
+        for i in range(run * step, run * step + length):
+            counts[(bits[i] >> 7) & 0xFF] += 1
+    if patched:
+        j = 0
+        for run in range(runs):
+            start = run * step
+            while j < indices.size and indices[j] < start:
+                j += 1
+            while j < indices.size and indices[j] < start + length:
+                counts[(bits[indices[j]] >> 7) & 0xFF] -= 1
+                counts[(old_bits[j] >> 7) & 0xFF] += 1
+                j += 1
+    return counts
+
+
+@numba.njit(nogil=True, cache=True)
+def _rank_changes(bits, group_of, indices, old_bits, counts):
+    """Rank of each change among the members of its group (by previous exponent), the
+    group sizes (into `counts`), and the order of the changes by group (stable).
+
+    `bits` is the previous tensor, except that at the changed positions the old values
+    come from `old_bits`. Members are counted with 8 one-byte counters packed in a 64-bit
+    word (an addition per element, no memory dependency), in blocks of 255 elements; the
+    counters before each element of a block are kept, so that a change's rank is a lookup.
+    """
+    numel = bits.size
+    increments = _increments(group_of)
+    groups = counts.size
+    ranks = np.empty(indices.size, indices.dtype)
+    members = np.zeros(groups, np.int64)
+    before = np.empty(255, np.uint64)
+    j = 0
+    for block in range(0, numel, 255):
+        end = min(numel, block + 255)
+        packed = np.uint64(0)
+        for k in range(block, end):
+            before[k - block] = packed
+            packed += increments[(bits[k] >> 7) & 0xFF]
+        # Where `bits` holds a new value (patched changes), count the old one in its stead:
+        # the packed counts are exact integers, so the corrections add up field by field.
+        correction = np.uint64(0)
+        while j < indices.size and indices[j] < end:
+            exponent = (old_bits[j] >> 7) & 0xFF
+            group = group_of[exponent]
+            field = ((before[indices[j] - block] + correction) >> np.uint64(8 * group)) & np.uint64(0xFF)
+            ranks[j] = counts[group] + np.int64(field)
+            members[group] += 1
+            correction += increments[exponent] - increments[(bits[indices[j]] >> 7) & 0xFF]
+            j += 1
+        packed += correction
+        for group in range(groups):
+            counts[group] += np.int64((packed >> np.uint64(8 * group)) & np.uint64(0xFF))
+    # Counting sort of the changes by group.
+    starts = np.zeros(groups, np.int64)
+    for group in range(1, groups):
+        starts[group] = starts[group - 1] + members[group - 1]
+    order = np.empty(indices.size, np.int64)
+    for j in range(indices.size):
+        group = group_of[(old_bits[j] >> 7) & 0xFF]
+        order[starts[group]] = j
+        starts[group] += 1
+    return ranks, order
 
 
 def _assemble(boundaries: list[int], groups: _Groups, ops: list[_Op]) -> np.ndarray:
@@ -298,12 +439,13 @@ def _decode_tensor(name: str, entry: torch.Tensor, previous: torch.Tensor, sourc
         coder = constriction.stream.stack.AnsCoder(words)
     except ValueError as exc:
         raise FormatError(f"{where}: damaged entropy-coded data ({exc})") from None
-    index = _GroupIndex.build(prev_bits, header.boundaries)
-    for group, (changed, count) in enumerate(zip(header.changed, index.counts)):
+    group_of = _group_table(header.boundaries)
+    counts = _group_counts(prev_bits, group_of, len(header.boundaries) + 1).tolist()
+    for group, (changed, count) in enumerate(zip(header.changed, counts)):
         if changed > count:
             raise FormatError(f"{where}: group {group} claims {changed} changes among {count} elements")
     try:
-        indices, zigzag = _decode_groups(index, _Groups(index.counts, header.changed, header.tables), coder)
+        indices, zigzag = _decode_groups(prev_bits, group_of, _Groups(counts, header.changed, header.tables), coder)
     except FormatError as exc:
         raise FormatError(f"{where}: {exc}") from None
     if not coder.is_empty():
@@ -314,24 +456,91 @@ def _decode_tensor(name: str, entry: torch.Tensor, previous: torch.Tensor, sourc
     )
 
 
-def _decode_groups(index: _GroupIndex, groups: _Groups, coder) -> tuple[np.ndarray, np.ndarray]:
+def _decode_groups(
+    prev_bits: np.ndarray, group_of: np.ndarray, groups: _Groups, coder
+) -> tuple[np.ndarray, np.ndarray]:
     """`(indices, zigzag)` of all changes, ascending, from the groups' streams."""
-    positions, zigzags = [], []
+    ranks, zigzags = [], []
     for group, changed in enumerate(groups.changed):
-        if changed:
-            ranks, zigzag = groups.decode(group, coder)
-            positions.append(index.select(ranks, group))
-            zigzags.append(zigzag)
-    if not positions:
-        return np.zeros(0, np.int64), np.zeros(0, np.uint16)
-    if len(positions) == 1:
-        return positions[0], zigzags[0]
-    indices, zigzag = np.concatenate(positions), np.concatenate(zigzags)
-    order = np.argsort(indices, kind="stable")  # merges the groups' ascending runs
-    indices, zigzag = indices[order], zigzag[order]
-    if np.any(indices[1:] <= indices[:-1]):  # cannot happen: the groups are disjoint
-        raise FormatError("decoded positions repeat; the stream is damaged")
-    return indices, zigzag
+        group_ranks, zigzag = (
+            groups.decode(group, coder) if changed else (np.zeros(0, np.int64), np.zeros(0, np.uint16))
+        )
+        ranks.append(group_ranks.astype(np.int64, copy=False))
+        zigzags.append(zigzag)
+    if len(ranks) == 1:
+        return ranks[0], zigzags[0]
+    ends = np.cumsum([r.size for r in ranks])
+    positions, sources = _select(prev_bits, group_of, np.concatenate(ranks), ends - [r.size for r in ranks], ends)
+    if positions.size != ends[-1]:  # cannot happen: every rank was checked against its group's size
+        raise FormatError("decoded positions fall outside their groups; the stream is damaged")
+    return positions, np.concatenate(zigzags)[sources]
+
+
+@numba.njit(nogil=True, cache=True)
+def _group_counts(bits, group_of, groups):
+    """Members of each exponent group: packed one-byte counters, flushed every 255 elements."""
+    increments = _increments(group_of)
+    counts = np.zeros(groups, np.int64)
+    for block in range(0, bits.size, 255):
+        packed = np.uint64(0)
+        for k in range(block, min(bits.size, block + 255)):
+            packed += increments[(bits[k] >> 7) & 0xFF]
+        for group in range(groups):
+            counts[group] += np.int64((packed >> np.uint64(8 * group)) & np.uint64(0xFF))
+    return counts
+
+
+@numba.njit(nogil=True, cache=True)
+def _select(bits, group_of, ranks, starts, ends):
+    """Positions of the members of each group with the given ranks, in one pass, ascending.
+
+    `ranks[starts[g]:ends[g]]` are group `g`'s, ascending and each below its size. Returns
+    `(positions, sources)`: the positions found, ascending, and for each the index into
+    `ranks` it answers (fewer only if a rank is out of range).
+    """
+    increments = _increments(group_of)
+    groups = starts.size
+    positions = np.empty(ranks.size, np.int64)
+    sources = np.empty(ranks.size, np.int64)
+    unreachable = np.int64(bits.size) + 1
+    following = starts.copy()
+    wanted = np.empty(groups, np.int64)
+    for group in range(groups):
+        wanted[group] = ranks[following[group]] if following[group] < ends[group] else unreachable
+    counts = np.zeros(groups, np.int64)
+    before = np.empty(255, np.uint64)
+    found = 0
+    for block in range(0, bits.size, 255):
+        end = min(bits.size, block + 255)
+        packed = np.uint64(0)
+        for k in range(block, end):
+            before[k - block] = packed
+            packed += increments[(bits[k] >> 7) & 0xFF]
+        inside = False
+        for group in range(groups):
+            inside |= wanted[group] < counts[group] + np.int64((packed >> np.uint64(8 * group)) & np.uint64(0xFF))
+        if inside:
+            for k in range(block, end):
+                group = group_of[(bits[k] >> 7) & 0xFF]
+                rank = counts[group] + np.int64((before[k - block] >> np.uint64(8 * group)) & np.uint64(0xFF))
+                if rank == wanted[group]:
+                    positions[found] = k
+                    sources[found] = following[group]
+                    found += 1
+                    following[group] += 1
+                    wanted[group] = ranks[following[group]] if following[group] < ends[group] else unreachable
+        for group in range(groups):
+            counts[group] += np.int64((packed >> np.uint64(8 * group)) & np.uint64(0xFF))
+    return positions[:found], sources[:found]
+
+
+@numba.njit(inline="always")
+def _increments(group_of):
+    """Per exponent, the 64-bit word that adds one to its group's byte of a packed count."""
+    increments = np.zeros(256, np.uint64)
+    for exponent in range(256):
+        increments[exponent] = np.uint64(1) << np.uint64(8 * group_of[exponent])
+    return increments
 
 
 # -- header ----------------------------------------------------------------------------------
@@ -433,20 +642,6 @@ class _Header:
 # -- exponent groups -------------------------------------------------------------------------
 
 
-def _popcount(words: np.ndarray) -> np.ndarray:
-    if hasattr(np, "bitwise_count"):
-        return np.bitwise_count(words)
-    return _POP8[words.view(np.uint8)].reshape(*words.shape, 8).sum(axis=-1, dtype=np.uint8)
-
-
-def _exponents(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """The exponent field of every bf16 bit pattern, one byte each, in one pass."""
-    if out is None:
-        out = np.empty(bits.shape, np.uint8)
-    np.right_shift(bits.view(np.uint16), np.uint16(7), out=out, casting="unsafe")
-    return out
-
-
 def _group_table(boundaries: list[int]) -> np.ndarray:
     """Group of each exponent, as a 256-entry table."""
     table = np.zeros(256, np.uint8)
@@ -454,110 +649,9 @@ def _group_table(boundaries: list[int]) -> np.ndarray:
     return np.cumsum(table, dtype=np.uint8)
 
 
-@dataclass
-class _GroupIndex:
-    """The exponent groups of a tensor, as packed bit sets with rank and select.
-
-    `words[g]` marks the members of group `g` (bit `b` of word `w` is element `64 w + b`);
-    `before[g, w]` counts its members in the words before word `w`.
-    """
-
-    numel: int
-    words: np.ndarray  # (G, W) little-endian uint64
-    before: np.ndarray  # (G, W + 1), int32 below 2^31 elements
-
-    @property
-    def groups(self) -> int:
-        return self.words.shape[0]
-
-    @property
-    def counts(self) -> list[int]:
-        return self.before[:, -1].tolist()
-
-    @classmethod
-    def build(cls, prev_bits: np.ndarray, boundaries: list[int]) -> _GroupIndex:
-        """One pass over the tensor: its exponents, then per boundary a byte compare and a
-        `packbits` marking the elements at or above it (in chunks, so that the temporaries
-        stay small for large tensors). A group is then one such set minus the next."""
-        numel = prev_bits.size
-        if not boundaries:
-            return cls(numel=numel, words=np.zeros((1, 0), "<u8"), before=np.array([[0, numel]], np.int64))
-        # Memory: G + 1 bits per element for the sets, G / 2 for the counts (int32), and two
-        # bytes per element of one chunk: below the tensor's own size for G <= 8.
-        count = _word_count(numel)
-        reached = np.zeros((len(boundaries) + 2, 8 * count), np.uint8)
-        exponents = np.empty(min(64 * count, _CHUNK), np.uint8)
-        mask = np.empty(exponents.size, bool)
-        thresholds = [np.uint8(boundary) for boundary in boundaries]
-        for start in range(0, numel, _CHUNK):  # _CHUNK is a multiple of 64: chunks start on a word
-            size = min(_CHUNK, numel - start)
-            padded = (size + 63) // 64 * 64  # exponent 0 past the end reaches no boundary
-            chunk = exponents[:padded]
-            chunk[size:] = 0
-            _exponents(prev_bits[start : start + size], chunk[:size])
-            for row, threshold in enumerate(thresholds, start=1):
-                np.greater_equal(chunk, threshold, out=mask[:padded])
-                reached[row, start // 8 : (start + padded) // 8] = np.packbits(mask[:padded], bitorder="little")
-        reached = reached.view("<u8")
-        reached[0] = ~np.uint64(0)  # every element reaches group 0 ...
-        if numel % 64:
-            reached[0, -1] = _BELOW[numel % 64]  # ... and nothing past the end does
-        for row in range(len(boundaries) + 1):  # in place, top-down: row + 1 is still a reached set
-            reached[row] &= ~reached[row + 1]
-        words = reached[:-1]
-        before = np.zeros((words.shape[0], count + 1), _position_dtype(numel))
-        np.cumsum(_popcount(words), axis=1, out=before[:, 1:])
-        return cls(numel=numel, words=words, before=before)
-
-    def rank(self, positions: np.ndarray, group: int) -> np.ndarray:
-        """Rank of each position (members of `group`) among the group's members."""
-        if self.groups == 1:
-            return positions
-        word = positions >> 6
-        below = _popcount(self.words[group, word] & _BELOW[positions & 63])
-        return (self.before[group, word] + below).astype(positions.dtype, copy=False)
-
-    def select(self, ranks: np.ndarray, group: int) -> np.ndarray:
-        """Positions of the members of `group` with the given ascending ranks (each below its count)."""
-        if self.groups == 1:
-            return ranks
-        before = self.before[group]
-        if ranks.size * _SEARCH_STEPS > before[-1] + before.size:
-            # Dense: listing the word of every member once is cheaper than a binary search per rank.
-            word = np.repeat(np.arange(before.size - 1, dtype=ranks.dtype), np.diff(before))[ranks]
-        else:
-            word = np.searchsorted(before, ranks, side="right") - 1
-        return (word << 6) + _select_in_word(self.words[group, word], ranks - before[word])
-
-
-# A binary search per rank costs about as much as listing this many members.
-_SEARCH_STEPS = 16
-# Bits below each position of a word.
-_BELOW = (np.uint64(1) << np.arange(64, dtype=np.uint64)) - np.uint64(1)
-_BYTES = np.uint64(0x0101010101010101)
-_HIGH_BITS = np.uint64(0x8080808080808080)
-
-
-def _select_in_word(words: np.ndarray, ranks: np.ndarray) -> np.ndarray:
-    """Bit position of the `ranks`-th set bit of each word (each rank below the word's popcount).
-
-    Broadword select: the set bits of each byte, summed over the bytes below by one
-    multiplication, tell which byte holds the bit; a table selects it there.
-    """
-    below = _popcount(words.view(np.uint8)).view(np.uint64) * _BYTES  # set bits up to each byte
-    ranks = ranks.astype(np.uint64)
-    passed = ((below | _HIGH_BITS) - (ranks + np.uint64(1)) * _BYTES) & _HIGH_BITS  # bytes beyond the bit
-    shift = (np.uint64(8) - _popcount(passed).astype(np.uint64)) << np.uint64(3)
-    within = ranks - (((below << np.uint64(8)) >> shift) & np.uint64(0xFF))
-    byte = (words >> shift) & np.uint64(0xFF)
-    return (shift + _SELECT8.reshape(-1)[(byte << np.uint64(3)) | within]).astype(np.int64)
-
-
-def _word_count(numel: int) -> int:
-    return (numel + 63) // 64
-
-
-def _choose_boundaries(prev_bits: np.ndarray, class_counts: np.ndarray) -> list[int]:
+def _choose_boundaries(
+    prev_bits: np.ndarray, class_counts: np.ndarray, sample_counts: Callable[[], np.ndarray]
+) -> list[int]:
     """Split the exponent line into at most `_MAX_GROUPS` groups so that the estimated coded
     size, plus a pass over the tensor per boundary, is smallest.
 
@@ -566,14 +660,14 @@ def _choose_boundaries(prev_bits: np.ndarray, class_counts: np.ndarray) -> list[
     1% of that of the best split into as many groups. A group of `n` elements with `k`
     changes costs `n H(k / n)` bits for its positions, the empirical entropy of its value
     classes, and its side information. Element counts are estimated from a sample of the
-    previous tensor (the boundaries are stored, so the decoder needs no estimate).
+    previous tensor, `sample_counts()` (the boundaries are stored, so the decoder needs no estimate).
     """
     numel = prev_bits.size
     changes = class_counts.sum(axis=1)
     if numel < _MIN_GROUPED_NUMEL or changes.sum() < _MIN_GROUPED_CHANGES:
         return []
-    sample = _sample(prev_bits)
-    elements = np.maximum(np.bincount(_exponents(sample).reshape(-1), minlength=256) * (numel / sample.size), changes)
+    sampled = sample_counts()
+    elements = np.maximum(sampled * (numel / sampled.sum()), changes)
     # Atoms: the exponents present; runs without changes at either end are one atom each (a
     # boundary inside them never pays); coarsened to at most _MAX_ATOMS runs.
     atoms, changed = np.flatnonzero(elements), np.flatnonzero(changes)
@@ -621,19 +715,6 @@ def _windows(atoms: int) -> _Windows:
     rows[rows < 0] = len(ranges)  # an empty slot: the extra zero cost at the end
     starts, ends = (np.array(side, np.intp) for side in zip(*ranges))
     return _Windows(starts, ends, rows, firsts, np.array([len(split) for split in splits]))
-
-
-def _sample(bits: np.ndarray) -> np.ndarray:
-    """One element in `_SAMPLE_EVERY` (at least `_SAMPLE_RUNS * _SAMPLE_RUN`), in runs spread
-    evenly over the tensor (runs rather than a stride, so that the sample reads a few cache
-    lines rather than one per element)."""
-    runs = max(_SAMPLE_RUNS, bits.size // (_SAMPLE_EVERY * _SAMPLE_RUN))
-    if bits.size <= runs * _SAMPLE_RUN:
-        return bits
-    step = (bits.size - _SAMPLE_RUN) // (runs - 1)
-    return np.lib.stride_tricks.as_strided(
-        bits, shape=(runs, _SAMPLE_RUN), strides=(step * bits.itemsize, bits.itemsize), writeable=False
-    )
 
 
 def _xlogx(x: np.ndarray) -> np.ndarray:
@@ -871,22 +952,9 @@ def _decode_raw(coder, widths: np.ndarray) -> np.ndarray:
     return values
 
 
-def _zigzag(new_bits: np.ndarray, old_bits: np.ndarray) -> np.ndarray:
-    """Signed int16 difference of bit patterns, wrapped, folded to 0, -1, 1, -2, ... -> 0, 1, 2, 3, ... (uint16)."""
-    diff = new_bits - old_bits  # int16 arithmetic wraps, as the bit patterns do
-    return ((diff << 1) ^ (diff >> 15)).view(np.uint16)
-
-
 def _unzigzag(zigzag: np.ndarray, old_bits: np.ndarray) -> np.ndarray:
     diff = (zigzag >> 1).view(np.int16) ^ -(zigzag & 1).view(np.int16)
     return old_bits + diff
-
-
-def _class_of_table() -> np.ndarray:
-    """Value class of every zigzag code: codes below 16 are their own class; above, one class
-    per bit length (the bits below the leading one are coded raw)."""
-    codes = np.arange(1 << 16, dtype=np.int64)
-    return np.where(codes < _DIRECT_CLASSES, codes, _bit_length(codes) + 11).astype(np.uint8)
 
 
 def _class_tables(counts: np.ndarray) -> list[np.ndarray | None]:
@@ -907,6 +975,5 @@ def _class_probabilities(tables: list[np.ndarray | None]) -> np.ndarray:
     return _QUANTIZED_PROBABILITY[quantized]
 
 
-_CLASS_OF = _class_of_table()  # 64 KiB
 # Probability of a value class from its byte in a value table: 2^((q - 1) / 4), 0 for absent.
 _QUANTIZED_PROBABILITY = np.concatenate([[0.0], np.ldexp(_QUARTER_POWERS[np.arange(255) % 4], np.arange(255) // 4)])

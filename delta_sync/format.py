@@ -545,6 +545,8 @@ def write_delta(
     changes: Mapping[str, SparseChange],
     header: FileHeader,
     previous: Mapping[str, torch.Tensor] | None = None,
+    *,
+    old_values: Mapping[str, torch.Tensor] | None = None,
 ) -> FileHeader:
     """Write a delta file in the header's encoding.
 
@@ -556,7 +558,10 @@ def write_delta(
             `changes`. Its `encoding` is `"raw"` or `"compact"`. Its `payload_digest` is
             computed here.
         previous: For the compact encoding, the full bf16 tensors before the change (the
-            replica decodes against the same).
+            replica decodes against the same); with `old_values`, the tensors after it.
+        old_values: For the compact encoding, the values the changed elements had before
+            (aligned with the indices), when `previous` holds the tensors after the change:
+            see [`delta_sync.compact.encode_changes`].
 
     Returns:
         The header as written.
@@ -568,7 +573,7 @@ def write_delta(
 
         if previous is None:
             raise ValueError("the compact encoding needs the tensors before the change")
-        return _write(path, encode_changes(changes, previous), header)
+        return _write(path, encode_changes(changes, previous, old_values=old_values), header)
     if header.encoding != "raw":
         raise ValueError(f"unknown delta encoding {header.encoding!r} (known: 'raw', 'compact')")
     return _write(path, raw_delta_tensors(changes, header.shapes), header)

@@ -29,6 +29,17 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
 def round_trip(changes: dict[str, SparseChange], previous: dict[str, torch.Tensor]) -> dict[str, SparseChange]:
     entries = encode_changes(changes, previous)
     assert sorted(entries) == sorted(entry_names(name)[0] for name in changes)
+    # Coding from the tensors after the change and the old values (the publisher's way) gives
+    # the same bytes.
+    after, old_values = {}, {}
+    for name, change in changes.items():
+        after[name] = previous[name].clone()
+        flat = bits(after[name]).reshape(-1)
+        old_values[name] = flat[change.indices.long()].view(torch.bfloat16)
+        flat[change.indices.long()] = bits(change.values)
+    patched = encode_changes(changes, after, old_values=old_values)
+    for name, entry in entries.items():
+        assert torch.equal(patched[name], entry), name
     held = {name: tensor.clone() for name, tensor in previous.items()}
     shapes = {name: tuple(previous[name].shape) for name in changes}
     decoded = decode_changes(entries, held, shapes, source=SOURCE)
@@ -258,6 +269,13 @@ def test_nothing_changed_and_several_tensors():
     }
     decoded = round_trip(changes, previous)
     assert len(decoded["a"]) == 0
+
+
+def test_encoder_refuses_misaligned_old_values():
+    previous = (torch.randn(100) * 0.02).to(torch.bfloat16)
+    change = SparseChange(indices=torch.tensor([1, 5], dtype=torch.int32), values=previous[[1, 5]] * 2)
+    with pytest.raises(ValueError, match="old values"):
+        encode_changes({"w": change}, {"w": previous}, old_values={"w": previous[:3]})
 
 
 def test_encoder_refuses_unsorted_indices():

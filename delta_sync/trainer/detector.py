@@ -12,7 +12,7 @@ from torch import nn
 
 from ..format import SparseChange, index_dtype
 from ..parallel import parallel_map
-from ..sparse import changed_positions, gather, scatter_
+from ..sparse import changed_positions, extract_changes_, gather, scatter_
 from .sharding import ModelLayout, describe_model, local_tensor
 
 __all__ = ["BF16ChangeDetector", "ChangeSet", "canonical_name", "inner_optimizer"]
@@ -105,7 +105,8 @@ class BF16ChangeDetector:
     [`changes`] call and the caller counts steps with [`record_step`].
 
     Memory: the snapshot (2 bytes per element this rank holds) plus, while [`changes`]
-    runs, one parameter's mask and bf16 copy at a time.
+    runs, the changed elements (CPU tensors are compared in one compiled pass with no
+    full-size temporary; others through one parameter's mask and bf16 copy at a time).
 
     Args:
         model: The model being trained (any wrapper: DDP, Accelerate, torch.compile, FSDP2,
@@ -292,17 +293,21 @@ class BF16ChangeDetector:
     def _extract(self, name: str) -> tuple[SparseChange | None, torch.Tensor | None]:
         """Changed elements of one parameter; advances its snapshot."""
         snap = self._snapshot[name]
-        current = self._current_bf16(name)
-        local = changed_positions(current, snap)
+        shard = self._shards[name]
+        dtype = index_dtype(math.prod(shard.global_shape))
+        # CPU tensors: one compiled pass compares, lists and advances at the changes only.
+        found = extract_changes_(local_tensor(self._params[name]).detach(), snap, dtype if shard.whole else torch.int64)
+        if found is None:
+            current = self._current_bf16(name)
+            local = changed_positions(current, snap)
+            values = gather(current, local)
+            found = (local, values, gather(snap, local))
+            scatter_(snap, local, values)
+        local, values, old = found
         if local.numel() == 0:
             return None, None
-        values = gather(current, local)
-        old = gather(snap, local).cpu()
-        scatter_(snap, local, values)
-        shard = self._shards[name]
-        indices = shard.global_indices(local.cpu())
-        change = SparseChange(indices=indices.to(index_dtype(math.prod(shard.global_shape))), values=values.cpu())
-        return change, old
+        indices = local.cpu() if shard.whole else shard.global_indices(local.cpu()).to(dtype)
+        return SparseChange(indices=indices.to(dtype), values=values.cpu()), old.cpu()
 
     def close(self) -> None:
         """Remove the optimizer hooks and drop the snapshot."""

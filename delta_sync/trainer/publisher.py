@@ -11,7 +11,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +35,6 @@ from ..layout import (
 from ..manifest import Manifest, PartRecord
 from ..parallel import parallel_map
 from ..signing import SIGNATURE_SUFFIX, SigningKey, file_sha256
-from ..sparse import scatter_
 from ..storage import Bucket, open_bucket
 from .detector import BF16ChangeDetector, ChangeSet
 from .ranks import RankGroup
@@ -673,8 +672,13 @@ class Publisher:
             total_elements=change_set.total_elements,
             part=self._part(),
         )
-        previous = _Before(self.detector.snapshot, change_set) if self.encoding == "compact" else None
-        return self._write_and_upload(path, lambda dest: write_delta(dest, change_set.changes, header, previous))
+        # A compact delta is coded against the weights before the change: the snapshot (now
+        # advanced) read through the old values of the changed elements, with no copy.
+        previous = self.detector.snapshot if self.encoding == "compact" else None
+        return self._write_and_upload(
+            path,
+            lambda dest: write_delta(dest, change_set.changes, header, previous, old_values=change_set.old_values),
+        )
 
     def _store_anchor(self, version: int, *, check_chain: bool) -> _Stored | None:
         shards = self.layout.shards
@@ -776,29 +780,6 @@ class Publisher:
         paths = [path for path in stored_anchors + self.bucket.list("deltas") if doomed(path)]
         self.bucket.delete(paths)
         logger.info("delta-sync: retention removed %d file(s) older than anchor v%d", len(paths), oldest_kept)
-
-
-class _Before(Mapping[str, torch.Tensor]):
-    """The tensors as they were before a change set, rebuilt one at a time from the advanced
-    snapshot and the old values at the changed positions: a compact delta is coded against
-    them, without a second snapshot of the model."""
-
-    def __init__(self, snapshot: Mapping[str, torch.Tensor], change_set: ChangeSet) -> None:
-        self._snapshot = snapshot
-        self._change_set = change_set
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        before = self._snapshot[name].cpu().clone()
-        change = self._change_set.changes.get(name)
-        if change is not None:
-            scatter_(before, change.indices.long(), self._change_set.old_values[name])
-        return before
-
-    def __iter__(self):
-        return iter(self._snapshot)
-
-    def __len__(self) -> int:
-        return len(self._snapshot)
 
 
 def _human_bytes(size: float) -> str:
