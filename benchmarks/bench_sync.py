@@ -16,6 +16,14 @@ References (same process, same tensors):
 On the replica, `verify_apply` (download excluded) runs while vLLM keeps generating;
 only `load` (copying the changed tensors into the model) pauses generation.
 
+Per node (`--workers`, default 2, the workers of a TP=2 server): separate processes, each
+a `SharedReceiver` catching up from the bucket, report what the kernel says they hold of
+the shared snapshot (`/proc/self/smaps`: resident, proportional and private bytes of the
+mapped file), against private `Receiver`s in the same number of processes (one full copy
+each). A late joiner's catch-up is timed twice, against `anchor_load`: on a node whose
+snapshot already holds the newest version (it loads from it) and on a fresh node (newest
+anchor and the deltas after it, from the bucket).
+
 Prints a table and writes JSON (default `benchmarks/results/bench_sync.json`). Ratios,
 not absolute seconds, are the figures to compare across machines.
 
@@ -25,9 +33,11 @@ not absolute seconds, are the figures to compare across machines.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
+import multiprocessing
 import statistics
 import tempfile
 import time
@@ -39,6 +49,7 @@ from torch import nn
 
 from delta_sync import BF16ChangeDetector, Publisher, Receiver, module_weight_loader, read_file
 from delta_sync.layout import anchor_path, delta_path
+from delta_sync.replica.shared import SharedReceiver
 from delta_sync.signing import SIGNATURE_SUFFIX, FileSignature, SigningKey, file_sha256
 
 
@@ -114,6 +125,36 @@ def timed(fn) -> float:
     return time.perf_counter() - started
 
 
+def node_worker(bucket: str, snapshot_dir: str | None, shapes: dict, barrier, results) -> None:
+    """One worker of a node: catch up, then (with every other worker alive) report its memory."""
+    # Reads every tensor, as a worker's `load_weights` does on its first catch-up.
+    options = {"expected_shapes": shapes, "load_weights": lambda weights: [t.max() for _, t in weights]}
+    if snapshot_dir is None:
+        receiver = Receiver(**options)
+    else:
+        receiver = SharedReceiver(snapshot_dir=snapshot_dir, **options)
+    receiver.update(bucket)
+    barrier.wait()
+    results.put(dataclasses.asdict(receiver.memory()))
+    barrier.wait()
+
+
+def measure_node(bucket: Path, shapes: dict, workers: int, snapshot_dir: Path | None) -> list[dict]:
+    """What each of `workers` processes holds after catching up (a shared or private snapshot each)."""
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(workers), context.Queue()
+    args = (str(bucket), None if snapshot_dir is None else str(snapshot_dir), shapes, barrier, results)
+    processes = [context.Process(target=node_worker, args=args) for _ in range(workers)]
+    for process in processes:
+        process.start()
+    reports = [results.get(timeout=1800) for _ in processes]
+    for process in processes:
+        process.join(timeout=600)
+        if process.exitcode != 0:
+            raise RuntimeError(f"a node worker exited with {process.exitcode}")
+    return reports
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=float, default=100e6, help="approximate parameter count (default 1e8)")
@@ -121,6 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=5, help="measured steps (default 5)")
     parser.add_argument("--hidden", type=int, default=1024, help="model width (default 1024)")
     parser.add_argument("--vocab", type=int, default=32768, help="vocabulary (default 32768)")
+    parser.add_argument("--workers", type=int, default=2, help="workers sharing a node (default 2: TP=2)")
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "bench_sync.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -206,6 +248,33 @@ def main(argv: list[str] | None = None) -> dict:
         rows["anchor_load"].append(timed(anchor_load))
         rows["anchor_signature"].append(timed(lambda: check_signature(work / "bucket", anchor_path(1), signing_key)))
 
+    # -- one node: memory per worker, and a late joiner's catch-up ------------------------------
+    nodes = work / "snapshots"
+    shared = measure_node(work / "bucket", shapes, args.workers, nodes)
+    private = measure_node(work / "bucket", shapes, args.workers, None)
+    node_memory = {
+        "workers": args.workers,
+        "shared_file_bytes": shared[0]["shared_bytes"],
+        "shared_private_bytes_per_worker": [r["private_bytes"] for r in shared],
+        "shared_resident_bytes_per_worker": [r["resident_bytes"] for r in shared],
+        "shared_proportional_bytes_total": sum(r["proportional_bytes"] for r in shared),
+        "private_bytes_per_worker": [r["private_bytes"] for r in private],
+    }
+
+    def late_joiner(snapshot_dir: Path | None) -> float:
+        joiner_model = FlatModel(shapes, seed=3)
+        options = {"load_weights": module_weight_loader(joiner_model), "expected_shapes": shapes}
+        if snapshot_dir is None:
+            joiner = Receiver(**options)
+        else:
+            joiner = SharedReceiver(snapshot_dir=snapshot_dir, **options)
+        seconds = timed(lambda: joiner.update(work / "bucket"))
+        assert joiner.model_checksum == publisher.reports[-1].model_checksum
+        return seconds
+
+    rows["late_joiner_node"] = [late_joiner(nodes)]
+    rows["late_joiner_fresh"] = [late_joiner(None)]
+
     median = {key: statistics.median(values) for key, values in rows.items()}
     result = {
         "params": numel,
@@ -219,7 +288,10 @@ def main(argv: list[str] | None = None) -> dict:
             "load / anchor_load": median["load"] / median["anchor_load"],
             "signature / verify_apply": median["signature"] / median["verify_apply"],
             "anchor_signature / anchor_load": median["anchor_signature"] / median["anchor_load"],
+            "late_joiner_node / anchor_load": median["late_joiner_node"] / median["anchor_load"],
+            "late_joiner_fresh / anchor_load": median["late_joiner_fresh"] / median["anchor_load"],
         },
+        "node_memory": node_memory,
         "delta_bytes_per_step": statistics.median(bytes_per_step),
         "bytes_per_changed_element": statistics.median(b / c for b, c in zip(bytes_per_step, changed_per_step)),
         "full_bf16_bytes": 2 * numel,
@@ -264,6 +336,22 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"memory: trainer snapshot {result['snapshot_bytes_trainer'] / (2 * numel):.2f}x bf16 model, "
         f"replica snapshot {result['snapshot_bytes_replica'] / (2 * numel):.2f}x"
+    )
+    full = 2 * numel
+    print(
+        f"node, {args.workers} workers: shared snapshot file {node_memory['shared_file_bytes'] / full:.2f}x bf16 model; "
+        f"per worker private {max(node_memory['shared_private_bytes_per_worker']) / full:.3f}x, "
+        f"resident (shared pages) {max(node_memory['shared_resident_bytes_per_worker']) / full:.2f}x; "
+        f"proportional total {node_memory['shared_proportional_bytes_total'] / full:.2f}x "
+        f"(private snapshots: {sum(node_memory['private_bytes_per_worker']) / full:.2f}x in total)"
+    )
+    print(
+        f"{'replica: late joiner, node already at newest':<44} {median['late_joiner_node']:>10.4f} "
+        f"{result['ratios']['late_joiner_node / anchor_load']:>7.2f}x  of a full anchor load"
+    )
+    print(
+        f"{'replica: late joiner, fresh node (anchor+deltas)':<44} {median['late_joiner_fresh']:>10.4f} "
+        f"{result['ratios']['late_joiner_fresh / anchor_load']:>7.2f}x  of a full anchor load"
     )
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)

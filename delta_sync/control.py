@@ -50,6 +50,11 @@ __all__ = [
 #: `*` trusts any bucket. Unset, every update is refused.
 ALLOWED_BUCKETS_ENV = "DELTA_SYNC_ALLOWED_BUCKETS"
 
+#: Directory of the node snapshots every vLLM worker of a machine shares (one bf16 copy of
+#: the model per machine); default `snapshots` in the download cache, `none` for a private
+#: snapshot per worker.
+SNAPSHOT_DIR_ENV = "DELTA_SYNC_SNAPSHOT_DIR"
+
 #: The token a server's `vllm_ext.auth` middleware requires on the weight routes; the
 #: trainer's client and `delta-sync follow` read it from the same variable by default.
 API_TOKEN_ENV = "DELTA_SYNC_API_TOKEN"

@@ -47,6 +47,16 @@ class BaseVersionError(ApplyError):
         self.base = base
 
 
+class SnapshotMovedError(ApplyError):
+    """The node's shared snapshot has moved past the version asked for and can no longer
+    rebuild it (see `delta_sync.replica.snapshot`); a catch-up reaches the node's version."""
+
+    def __init__(self, message: str, *, held: int | None, wanted: int) -> None:
+        super().__init__(message)
+        self.held = held
+        self.wanted = wanted
+
+
 class BucketError(DeltaSyncError):
     """A storage operation failed permanently (after any retries)."""
 

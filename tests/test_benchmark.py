@@ -41,6 +41,14 @@ def test_benchmark_runs_and_writes_its_table(tmp_path):
         "load / anchor_load",
         "signature / verify_apply",
         "anchor_signature / anchor_load",
+        "late_joiner_node / anchor_load",
+        "late_joiner_fresh / anchor_load",
     }
+    # Two worker processes on one node map one snapshot and hold nothing of it privately.
+    node = report["node_memory"]
+    assert node["shared_file_bytes"] == report["full_bf16_bytes"]
+    assert max(node["shared_private_bytes_per_worker"]) <= 0.01 * node["shared_file_bytes"]
+    assert node["shared_proportional_bytes_total"] <= 1.01 * node["shared_file_bytes"]
+    assert node["private_bytes_per_worker"] == [report["full_bf16_bytes"]] * 2
     assert report["snapshot_bytes_trainer"] == report["snapshot_bytes_replica"] == report["full_bf16_bytes"]
     assert 5.9 < report["bytes_per_changed_element"] < 7.0

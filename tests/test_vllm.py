@@ -33,7 +33,16 @@ EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 class TinyTrainer:
     """A transformers model with fp32 master weights, trained with AdamW and published to a bucket."""
 
-    def __init__(self, model_dir, bucket, *, lr: float = 1e-4, anchor_every: int = 3, keep_anchors: int = 2) -> None:
+    def __init__(
+        self,
+        model_dir,
+        bucket,
+        *,
+        lr: float = 1e-4,
+        anchor_every: int = 3,
+        keep_anchors: int = 2,
+        encoding: str = "raw",
+    ) -> None:
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(0)
@@ -48,6 +57,7 @@ class TinyTrainer:
             keep_anchors=keep_anchors,
             background=False,
             signing_key=SIGNING_KEY,  # the guarded server below applies only signed versions
+            encoding=encoding,
         )
         self.bucket = self.publisher.bucket.url
         self.version = 0
@@ -140,6 +150,25 @@ def test_anchor_then_deltas_through_http(vllm_server, trainer):
     # Re-sending the version held is a no-op.
     assert vllm_server.update(trainer.bucket, delta_path(4)).status_code == 200
     assert vllm_server.status()["version"] == 4
+
+
+def test_compact_deltas_through_http(vllm_server, served_model, bucket_root):
+    """The compact encoding, decoded by the server against the weights it holds."""
+    trainer = TinyTrainer(served_model, bucket_root / "compact", encoding="compact")
+    try:
+        for _ in range(4):
+            version = trainer.step()
+            report = trainer.publisher.reports[-1]
+            if report.delta:
+                with read_file(bucket_root / "compact" / report.delta) as delta:
+                    assert delta.header.encoding == "compact"
+            response = vllm_server.update(trainer.bucket, report.delta or report.anchor)
+            assert response.status_code == 200, response.text
+            status = vllm_server.status()
+            assert status["version"] == version and status["model_checksum"] == trainer.checksum()
+        assert vllm_server.greedy(PROMPT) == greedy(trainer.reference(), PROMPT)
+    finally:
+        trainer.close()
 
 
 def test_linear_layers_really_change(vllm_server, trainer):

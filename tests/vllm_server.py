@@ -82,6 +82,7 @@ class VLLMServer:
         extra_env: More environment variables (e.g. `HF_ENDPOINT`).
         api_token: With a token, the server guards its weight-update and RPC routes with
             `vllm_ext.auth` (`--middleware`), and [`post`] sends the token.
+        extra_args: More `vllm serve` arguments (e.g. `--tensor-parallel-size 2`).
     """
 
     def __init__(
@@ -94,8 +95,10 @@ class VLLMServer:
         extra_env: dict[str, str] | None = None,
         dtype: str = "float32",
         api_token: str | None = None,
+        extra_args: list[str] | None = None,
     ) -> None:
         self.model_dir = model_dir
+        self.cache_dir = cache_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -134,6 +137,7 @@ class VLLMServer:
             "vllm_ext.DeltaWorkerExtension",
             "--weight-transfer-config",
             '{"backend": "delta"}',
+            *(extra_args or []),
         ]
         #: Sent with every [`post`] that names no headers of its own.
         self.headers: dict[str, str] = {}
@@ -145,10 +149,18 @@ class VLLMServer:
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout: float = 600.0) -> VLLMServer:
-        log = open(self.log_path, "wb")
+        """Launch the server and wait until it is healthy (same port on a restart)."""
+        return self.launch().wait_healthy(timeout)
+
+    def launch(self) -> VLLMServer:
+        """Start the server process without waiting for it (see [`wait_healthy`])."""
+        log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
             self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
+        return self
+
+    def wait_healthy(self, timeout: float = 600.0) -> VLLMServer:
         deadline = time.monotonic() + timeout
         while True:
             if self.process.poll() is not None:
@@ -169,6 +181,11 @@ class VLLMServer:
         except OSError:
             return ""
 
+    def kill(self) -> None:
+        """SIGKILL the server and its workers, as a crash would."""
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=60)
+
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:
             return
@@ -188,9 +205,13 @@ class VLLMServer:
         )
 
     def status(self) -> dict:
-        response = self.post("/collective_rpc", json={"method": "delta_sync_status"})
+        return self.rpc("delta_sync_status")[0]
+
+    def rpc(self, method: str) -> list:
+        """Every worker's answer to a `DeltaWorkerExtension` method."""
+        response = self.post("/collective_rpc", json={"method": method})
         response.raise_for_status()
-        return response.json()["results"][0]
+        return response.json()["results"]
 
     def update(self, bucket: str, filename: str | None = None) -> httpx.Response:
         """The raw three-call protocol, returning the first failing response (or the last one)."""
@@ -237,6 +258,10 @@ class VLLMServer:
         return response.json()["choices"][0]["logprobs"]["token_logprobs"][1 : len(prompt_ids)]
 
     def weight_checksums(self) -> dict[str, str]:
+        return {key.rsplit(":", 1)[-1]: value for key, value in self.raw_weight_checksums().items()}
+
+    def raw_weight_checksums(self) -> dict[str, str]:
+        """vLLM's `/weight_checker` digests, keyed `dp0:pp0:pcp0:tp<rank>:<name>`."""
         response = self.post("/weight_checker", json={"action": "checksum"})
         response.raise_for_status()
-        return {key.rsplit(":", 1)[-1]: value for key, value in response.json()["checksums"].items()}
+        return response.json()["checksums"]

@@ -44,9 +44,11 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.logger import init_logger
 
 from delta_sync import Receiver
-from delta_sync.control import ALLOWED_BUCKETS_ENV, UpdateInfo
+from delta_sync.control import ALLOWED_BUCKETS_ENV, SNAPSHOT_DIR_ENV, UpdateInfo
 from delta_sync.errors import DeltaSyncError
+from delta_sync.replica.shared import SharedReceiver
 from delta_sync.storage import clean_path
+from delta_sync.storage.cache import default_cache_dir
 
 from .logs import route_delta_sync_logs
 
@@ -112,13 +114,14 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.receiver = Receiver(
-            expected_shapes=checkpoint_shapes(str(self.model_config.model)),
-            allowed_buckets=allowed_buckets_from_env(),
-        )
+        route_delta_sync_logs()
         self._fused = fused_shards(model)
         self._updating = False
-        route_delta_sync_logs()
+        self.receiver = make_receiver(
+            checkpoint_shapes(str(self.model_config.model)),
+            allowed_buckets=allowed_buckets_from_env(),
+            load_together=self._with_fused_shards,
+        )
 
     @property
     def updating(self) -> bool:
@@ -158,13 +161,20 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
             pending = self.receiver.prepare(update_info.bucket, update_info.filename)
         except DeltaSyncError as exc:
             raise RuntimeError(f"delta-sync refused the update: {type(exc).__name__}: {exc}") from exc
-        if len(pending.applied) == applied_before:
+        applied = len(pending.applied) - applied_before
+        if not pending.names:
             logger.info("delta-sync: already at version %s", pending.version)
-        else:
+        elif applied:
             logger.info(
                 "delta-sync: prepared version %s from %d file(s); %d tensor(s) to load",
                 pending.version,
-                len(pending.applied) - applied_before,
+                applied,
+                len(pending.names),
+            )
+        else:
+            logger.info(
+                "delta-sync: version %s is in the node snapshot already; %d tensor(s) to load",
+                pending.version,
                 len(pending.names),
             )
 
@@ -203,16 +213,13 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
             logger.warning("delta-sync: update session aborted; still serving version %s", self.receiver.version)
 
     def _load_into_model(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """The receiver's `load_weights`: through vLLM's layerwise reload, fused shards completed."""
+        """The receiver's `load_weights` (fused shards already completed by `load_together`):
+        through vLLM's layerwise reload."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-        tensors = dict(weights)
-        held = self.receiver.weights
-        for name in self._with_fused_shards(set(tensors)) - set(tensors):
-            tensors[name] = held[name]
         initialize_layerwise_reload(self.model)
         try:
-            self.model.load_weights((name, tensors[name]) for name in sorted(tensors))
+            self.model.load_weights(iter(weights))
         finally:
             # Always leave the model runnable: a half-finished reload crashes the next request.
             finalize_layerwise_reload(self.model, self.model_config)
@@ -221,7 +228,7 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
         """Add the sibling shards of fused modules: vLLM rebuilds a fused layer (qkv,
         gate_up) from all its shards, and fills absent ones with uninitialised memory."""
         complete = set(names)
-        held = self.receiver.weights
+        held = self.receiver.expected_shapes or self.receiver.weights
         for name in names:
             parts = name.split(".")
             for i, part in enumerate(parts):
@@ -230,6 +237,26 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
                     if candidate in held:
                         complete.add(candidate)
         return complete
+
+
+def make_receiver(shapes: dict[str, tuple[int, ...]] | None, **kwargs) -> Receiver:
+    """The worker's receiver: sharing the node snapshot under `DELTA_SYNC_SNAPSHOT_DIR`
+    (default: `snapshots` in the download cache) with every worker of the machine, or a
+    private snapshot when that is `none` or the checkpoint's shapes are unknown."""
+    root = snapshot_root_from_env()
+    if root is None or shapes is None:
+        if root is not None:
+            logger.warning("delta-sync: the checkpoint's shapes are unknown; this worker keeps a private snapshot")
+        return Receiver(expected_shapes=shapes, **kwargs)
+    return SharedReceiver(snapshot_dir=root, expected_shapes=shapes, **kwargs)
+
+
+def snapshot_root_from_env() -> Path | None:
+    """Where node snapshots live (`DELTA_SYNC_SNAPSHOT_DIR`), or None for private ones."""
+    raw = os.environ.get(SNAPSHOT_DIR_ENV, "").strip()
+    if raw.lower() == "none":
+        return None
+    return Path(raw) if raw else default_cache_dir() / "snapshots"
 
 
 def allowed_buckets_from_env() -> list[str] | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from delta_sync.control import ReplicaStatus
@@ -25,6 +26,13 @@ class DeltaWorkerExtension:
         ```
     """
 
+    def delta_sync_snapshot(self) -> dict[str, Any]:
+        """Where this worker's bf16 snapshot lives: `shared_path` and `shared_bytes` of the
+        machine's node snapshot (one per machine, mapped by every worker), and
+        `private_bytes`, what this worker holds on its own (0 when it shares the node's).
+        """
+        return dataclasses.asdict(self._delta_engine().receiver.memory())
+
     def delta_sync_status(self) -> dict[str, Any]:
         """The version this worker serves and a checksum of its weights
         (`delta_sync.control.STATUS_METHOD`).
@@ -36,12 +44,7 @@ class DeltaWorkerExtension:
             (parameters applied but not yet loaded, which `/finish_weight_update` loads) and
             `updating` (a weight-update session is open).
         """
-        engine = getattr(self, "weight_transfer_engine", None)
-        if not isinstance(engine, DeltaWeightTransferEngine):
-            raise RuntimeError(
-                "the delta weight-transfer engine is not active; start vLLM with "
-                '--weight-transfer-config \'{"backend": "delta"}\''
-            )
+        engine = self._delta_engine()
         receiver = engine.receiver
         pending = receiver.pending
         # What the model serves: while an update is prepared, the snapshot is ahead of it.
@@ -54,3 +57,12 @@ class DeltaWorkerExtension:
             pending=len(pending.names) if pending is not None else 0,
             updating=engine.updating,
         ).to_dict()
+
+    def _delta_engine(self) -> DeltaWeightTransferEngine:
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(engine, DeltaWeightTransferEngine):
+            raise RuntimeError(
+                "the delta weight-transfer engine is not active; start vLLM with "
+                '--weight-transfer-config \'{"backend": "delta"}\''
+            )
+        return engine

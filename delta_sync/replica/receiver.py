@@ -54,6 +54,7 @@ __all__ = [
     "LoadWeights",
     "PendingUpdate",
     "Receiver",
+    "SnapshotMemory",
     "expected_shapes_of",
     "module_weight_loader",
 ]
@@ -106,6 +107,28 @@ class Held:
     anchor_version: int | None
     run_id: str | None
     model_checksum: str | None
+
+
+@dataclass(frozen=True)
+class SnapshotMemory:
+    """Where a receiver's snapshot lives, and what this process holds of it.
+
+    Args:
+        shared_path: The node snapshot's file, or None for a private snapshot.
+        shared_bytes: Size of that file (one copy per machine, however many map it).
+        private_bytes: Bytes of the snapshot only this process holds: its own tensors, or
+            pages of the shared file no other process maps.
+        resident_bytes: Pages of the shared file resident in this process's mapping.
+        proportional_bytes: This process's share of them (the kernel's PSS: pages mapped by
+            `n` processes count `1/n`), so the shares of a machine's workers add up to
+            what the machine holds.
+    """
+
+    shared_path: str | None
+    shared_bytes: int
+    private_bytes: int
+    resident_bytes: int = 0
+    proportional_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -225,7 +248,7 @@ class PendingUpdate:
             try:
                 receiver._load(load, names)
             except BaseException:
-                self._roll_back(load, names)
+                receiver._roll_back_pending(self, load, names)
                 raise
             seconds = time.perf_counter() - self._started
             return ApplyResult(receiver.version, self.applied, self._changed_elements, len(names), seconds)
@@ -239,10 +262,7 @@ class PendingUpdate:
         receiver = self._receiver
         with receiver._lock:
             self._close("aborted")
-            if self._anchored:
-                receiver._forget("an update holding an anchor was aborted before it was loaded")
-            else:
-                self._undo_deltas()
+            receiver._abort_pending(self)
 
     # -- used by the receiver -----------------------------------------------------------
 
@@ -263,15 +283,6 @@ class PendingUpdate:
             raise RuntimeError(f"this pending update was already {self._state}")
         self._state = state
         self._receiver._pending = None
-
-    def _roll_back(self, load: LoadWeights | None, names: list[str]) -> None:
-        receiver = self._receiver
-        if self._anchored:
-            # The snapshot is right but the model may be half loaded: demand a fresh anchor.
-            receiver._distrust("loading an anchor into the model failed")
-            return
-        self._undo_deltas()
-        receiver._reload(load, names)
 
     def _undo_deltas(self) -> None:
         while self._undo:
@@ -305,6 +316,9 @@ class Receiver:
             `delta_sync.signing.VerifyKey`, or the path or PEM text of its public key);
             default: the key `DELTA_SYNC_VERIFY_KEY` names, else the bucket is trusted as is
             (said once in the log).
+        load_together: Maps the names an update changed to every name `load_weights`
+            must receive with them (vLLM rebuilds a fused qkv or gate_up layer from all its
+            shards); None loads exactly the changed ones.
 
     Example:
         ```python
@@ -324,8 +338,10 @@ class Receiver:
         allowed_buckets: Iterable[str] | None = None,
         cache: DownloadCache | None = None,
         verify_key: VerifyKey | str | os.PathLike | None = None,
+        load_together: Callable[[set[str]], set[str]] | None = None,
     ) -> None:
         self.load_weights = load_weights
+        self.load_together = load_together
         if expected_shapes is None:
             expected_shapes = getattr(load_weights, "expected_shapes", None)
         self.expected_shapes = None if expected_shapes is None else {k: tuple(v) for k, v in expected_shapes.items()}
@@ -355,6 +371,10 @@ class Receiver:
         """Digest of the held weights (see `delta_sync.integrity.model_checksum`), or None."""
         return model_checksum(self.checksums) if self.checksums else None
 
+    def memory(self) -> SnapshotMemory:
+        """Where the snapshot lives: here, all in this process."""
+        return SnapshotMemory(None, 0, sum(t.numel() * t.element_size() for t in self.weights.values()))
+
     @property
     def pending(self) -> PendingUpdate | None:
         """The update prepared and not yet committed or aborted, if any."""
@@ -362,14 +382,14 @@ class Receiver:
 
     def invalidate(self, reason: str) -> None:
         """Declare the model out of step with the snapshot: deltas are refused until the
-        next catch-up loads an anchor.
+        next catch-up loads an anchor (a `SharedReceiver` reloads every tensor instead).
 
         Args:
             reason: What happened, for the log and for the error a refused delta raises.
         """
         with self._lock:
-            logger.warning("delta-sync: %s; the next catch-up reloads an anchor", reason)
-            self._distrust(reason)
+            logger.warning("delta-sync: %s", reason)
+            self._model_diverged(reason)
 
     # -- the lifecycle ----------------------------------------------------------------------
 
@@ -410,12 +430,7 @@ class Receiver:
             opened_here = self._pending is None
             pending = self._open_pending() if opened_here else self._pending
             try:
-                latest = self._read_latest(opened)
-                self._follow(latest)
-                if path is None:
-                    self._catch_up(opened, pending, latest)
-                else:
-                    self._prepare_path(opened, path, pending, latest)
+                latest = self._advance(opened, path, pending)
             except BaseException:
                 if opened_here:
                     pending.abort()  # all or nothing: a failed catch-up leaves the replica where it was
@@ -480,6 +495,16 @@ class Receiver:
                 )
         return opened
 
+    def _advance(self, bucket: Bucket, path: str | None, pending: PendingUpdate) -> Latest:
+        """Apply `path`, or catch up to `latest.json`, to the snapshot; returns `latest.json`."""
+        latest = self._read_latest(bucket)
+        self._follow(latest)
+        if path is None:
+            self._catch_up(bucket, pending, latest)
+        else:
+            self._prepare_path(bucket, path, pending, latest)
+        return latest
+
     def _open_pending(self) -> PendingUpdate:
         self._serving = self._held()
         self._pending = PendingUpdate(self)
@@ -531,10 +556,8 @@ class Receiver:
         try:
             self._catch_up_once(bucket, pending, latest)
         except BucketFileNotFoundError as exc:
-            logger.warning("delta-sync: %s; starting the catch-up over from latest.json", exc)
-            if pending.applied:
-                pending.abort()
-                self._pending = pending = self._open_pending()
+            # What was applied so far was checked; go on from there with the newer pointer.
+            logger.warning("delta-sync: %s; continuing the catch-up from latest.json", exc)
             self._catch_up_once(bucket, pending, self._read_latest(bucket))
 
     def _catch_up_once(self, bucket: Bucket, pending: PendingUpdate, latest: Latest) -> None:
@@ -767,10 +790,12 @@ class Receiver:
             anchor_version=self.anchor_version,
         )
         pending._record(header.source, delta.changes, header.changed_elements, undo)
+        self._before_write(header, undo.previous)
         for name, change in delta.changes.items():
             scatter_(self.weights[name], change.indices, change.values)
         self.checksums.update(new_checksums)
         self.version, self.anchor_version = header.version, header.anchor_version
+        self._after_write(header, delta.changes)
 
     def _prepare_anchor(self, anchor: Anchor, pending: PendingUpdate) -> None:
         if self._is_stale(anchor.header.version, anchor.header.run_id, anchor.header.epoch):
@@ -800,6 +825,7 @@ class Receiver:
     def _apply_anchor(self, anchor: Anchor, pending: PendingUpdate) -> None:
         header = anchor.header
         pending._record(header.source, header.names, header.changed_elements, None)
+        self._before_write(header, None)
         if set(self.weights) != set(header.shapes) or any(
             tuple(t.shape) != header.shapes[n] for n, t in self.weights.items()
         ):
@@ -815,19 +841,57 @@ class Receiver:
         self.version, self.anchor_version, self.run_id = header.version, header.version, header.run_id
         self.epoch = header.epoch
         self._anchor_needed = None
+        self._after_write(header, header.shapes)
+
+    def _before_write(
+        self, header: FileHeader, previous: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None
+    ) -> None:
+        """Called before a checked file changes the snapshot: `previous` holds the values a
+        delta overwrites (None for an anchor). A shared snapshot makes the write crash-safe here."""
+
+    def _after_write(self, header: FileHeader, names: Iterable[str]) -> None:
+        """Called once the snapshot and the receiver's fields hold `header`'s version."""
 
     # -- loading and undoing (for PendingUpdate) ----------------------------------------------
 
     def _load(self, load: LoadWeights | None, names: list[str]) -> None:
         if load is not None and names:
-            load([(name, self.weights[name]) for name in names])
+            load(sorted(self._tensors_for_load(self._with_companions(names)).items()))
+
+    def _with_companions(self, names: Iterable[str]) -> set[str]:
+        names = set(names)
+        return names | self.load_together(names) if self.load_together is not None else names
+
+    def _tensors_for_load(self, names: set[str]) -> dict[str, torch.Tensor]:
+        """The held version's tensors `names`."""
+        return {name: self.weights[name] for name in names}
+
+    def _abort_pending(self, pending: PendingUpdate) -> None:
+        """Undo what `pending` did to the snapshot; the model was not touched."""
+        if pending._anchored:
+            self._forget("an update holding an anchor was aborted before it was loaded")
+        else:
+            pending._undo_deltas()
+
+    def _roll_back_pending(self, pending: PendingUpdate, load: LoadWeights | None, names: list[str]) -> None:
+        """Loading `pending` failed: go back to the version served and reload it."""
+        if pending._anchored:
+            # The snapshot is right but the model may be half loaded: demand a fresh anchor.
+            self._model_diverged("loading an anchor into the model failed")
+            return
+        pending._undo_deltas()
+        self._reload(load, names)
+
+    def _model_diverged(self, reason: str) -> None:
+        """The model may hold other weights than any version: the next update must reload all."""
+        self._distrust(reason)
 
     def _reload(self, load: LoadWeights | None, names: list[str]) -> None:
         """Load the restored tensors after a failed load."""
         try:
             self._load(load, names)
         except BaseException as exc:  # the model is now in an unknown state
-            self._distrust("restoring the model after a failed load failed")
+            self._model_diverged("restoring the model after a failed load failed")
             logger.error("delta-sync: restoring the model after a failed load also failed: %s", exc)
 
     def _restore(self, undo: _DeltaUndo) -> None:  # deltas never change run or epoch

@@ -1,0 +1,457 @@
+"""`NodeSnapshot`: one bf16 snapshot of the model per machine, shared by its replica processes.
+
+Every vLLM worker needs the full bf16 weights of the version it loads (tensor-parallel
+ranks cut their own shard out of them), but a node running eight workers should not hold
+eight copies. The node snapshot is one memory-mapped file that every process on the
+machine maps (`MAP_SHARED`: one copy in the page cache however many map it), advanced by
+one process at a time under an exclusive `flock` while the others wait.
+
+Processes need not hold the same version: a worker asked for version 7 while another
+server on the node has already moved the snapshot to 9 rebuilds the tensors it loads at
+version 7 from *undo records*, the values each recent delta overwrote, kept on disk for
+the last `history` versions. Beyond those, or across an anchor, an older version cannot
+be rebuilt and the request fails with [`SnapshotMovedError`]; a catch-up then brings the
+worker to the snapshot's version.
+
+Crash safety: before a process changes the data it writes the undo record and marks the
+state `writing`. A process killed mid-write leaves that mark; the next one to take the lock
+restores the overwritten values from the record (or, for an anchor, which has no undo,
+empties the snapshot so that the next update loads an anchor), so no process ever reads a
+half-written version. The state also names the machine's boot: after a reboot, whatever
+the page cache had not yet written back is not trusted.
+
+Files in the snapshot's directory:
+
+| file | what it holds |
+| --- | --- |
+| `weights.bin` | every tensor's bf16 values, in name order, 64-byte aligned |
+| `state.json` | version, run, epoch, per-tensor checksums, history, `writing` mark |
+| `undo/<version>.safetensors` | per changed tensor `<name>:indices` and `<name>:values` before that version |
+| `lock` | the `flock` that orders writers and readers |
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..errors import IntegrityError, SnapshotMovedError
+from ..integrity import model_checksum, tensor_checksum
+from ..sparse import scatter_
+
+__all__ = ["HistoryEntry", "NodeSnapshot", "SnapshotState", "mapped_memory", "snapshot_directory"]
+
+logger = logging.getLogger("delta_sync")
+
+_STATE_FORMAT = 1
+_ALIGN = 32  # elements: tensors start on 64-byte boundaries
+_DATA, _STATE, _LOCK, _UNDO = "weights.bin", "state.json", "lock", "undo"
+
+
+def snapshot_directory(root: str | os.PathLike, bucket_url: str, shapes: Mapping[str, tuple[int, ...]]) -> Path:
+    """The directory of the node snapshot for one bucket and one parameter layout.
+
+    Replicas of the same model following the same bucket share it; another bucket or
+    another model gets its own, so they never overwrite each other's weights.
+    """
+    key = hashlib.sha256(f"{bucket_url.rstrip('/')}\n{_layout_digest(shapes)}".encode()).hexdigest()[:16]
+    return Path(root) / key
+
+
+@dataclass(frozen=True)
+class HistoryEntry:
+    """One version the snapshot held recently.
+
+    Args:
+        version: The version.
+        kind: `"anchor"` (every tensor written, nothing older can be rebuilt) or `"delta"`.
+        anchor_version: The anchor it descends from.
+        names: Parameters this version changed.
+        checksums: Every parameter's checksum at this version.
+    """
+
+    version: int
+    kind: str
+    anchor_version: int
+    names: tuple[str, ...]
+    checksums: dict[str, int]
+
+    @property
+    def model_checksum(self) -> str:
+        return model_checksum(self.checksums)
+
+
+@dataclass
+class SnapshotState:
+    """What `state.json` says of the snapshot's data.
+
+    Args:
+        version: The version held, or None (nothing trustworthy yet).
+        anchor_version: The anchor it descends from.
+        run_id: Its run.
+        epoch: Its start of the run.
+        checksums: Per-parameter checksums of the data.
+        anchor_needed: Why the next update must load an anchor, or None.
+        history: The last versions held, oldest first, ending with `version`.
+        writing: `{"version", "kind"}` while a process changes the data, else None.
+        boot_id: The machine boot that wrote the state.
+    """
+
+    version: int | None = None
+    anchor_version: int | None = None
+    run_id: str | None = None
+    epoch: str | None = None
+    checksums: dict[str, int] = field(default_factory=dict)
+    anchor_needed: str | None = None
+    history: list[HistoryEntry] = field(default_factory=list)
+    writing: dict | None = None
+    boot_id: str = ""
+
+    def entry(self, version: int | None) -> HistoryEntry | None:
+        return next((entry for entry in self.history if entry.version == version), None)
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["format"] = _STATE_FORMAT
+        data["checksums"] = {name: str(value) for name, value in self.checksums.items()}
+        for entry in data["history"]:
+            entry["checksums"] = {name: str(value) for name, value in entry["checksums"].items()}
+        return json.dumps(data)
+
+    @classmethod
+    def from_json(cls, text: str) -> SnapshotState:
+        data = json.loads(text)
+        if data.pop("format", None) != _STATE_FORMAT:
+            raise ValueError("unknown snapshot state format")
+        data["checksums"] = {name: int(value) for name, value in data["checksums"].items()}
+        data["history"] = [
+            HistoryEntry(
+                version=entry["version"],
+                kind=entry["kind"],
+                anchor_version=entry["anchor_version"],
+                names=tuple(entry["names"]),
+                checksums={name: int(value) for name, value in entry["checksums"].items()},
+            )
+            for entry in data["history"]
+        ]
+        return cls(**data)
+
+
+class NodeSnapshot:
+    """A bf16 snapshot in a memory-mapped file, shared by every process of a machine.
+
+    A writer holds [`exclusive`] while it changes the data and announces each change with
+    [`begin_delta`] or [`begin_anchor`] before it writes, and [`finish`] after; readers
+    hold [`shared`] while they read the tensors of a version with [`tensors_at`].
+
+    Args:
+        directory: The snapshot's directory (see [`snapshot_directory`]); created if absent.
+        shapes: Parameter name -> shape: the layout of the file.
+        history: How many recent versions can be rebuilt for a process that asks for one
+            the snapshot has moved past.
+
+    Example:
+        ```python
+        >>> node = NodeSnapshot(snapshot_directory(root, bucket.url, shapes), shapes)
+        >>> with node.shared() as state:
+        ...     tensors = node.tensors_at(state, 7, ["lm_head.weight"])
+        ```
+    """
+
+    def __init__(self, directory: str | os.PathLike, shapes: Mapping[str, tuple[int, ...]], *, history: int = 8):
+        if history < 1:
+            raise ValueError("history must keep at least the version held")
+        self.directory = Path(directory)
+        self.history = history
+        self.shapes = {name: tuple(shape) for name, shape in sorted(shapes.items())}
+        self._offsets: dict[str, int] = {}
+        numel = 0
+        for name, shape in self.shapes.items():
+            self._offsets[name] = numel
+            numel += -(-_numel(shape) // _ALIGN) * _ALIGN
+        self.nbytes = numel * 2
+        (self.directory / _UNDO).mkdir(parents=True, exist_ok=True)
+        self._lock_fd = os.open(self.directory / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        with self._locked(fcntl.LOCK_EX):
+            self._map(numel)
+        self._state: SnapshotState | None = None
+
+    @property
+    def path(self) -> Path:
+        """The memory-mapped data file."""
+        return self.directory / _DATA
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every parameter as a view of the shared file, at whatever version it holds now."""
+        return self._views
+
+    def close(self) -> None:
+        """Release the lock file (the mapping stays valid while views of it live)."""
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    # -- locks ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[SnapshotState]:
+        """Hold the snapshot alone to change it; yields its state, recovered from any
+        write a crashed process left half done."""
+        with self._locked(fcntl.LOCK_EX):
+            state = self._read_state()
+            self._state = state if state.writing is None else self._recover(state)
+            try:
+                yield self._state
+            finally:
+                self._state = None
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[SnapshotState]:
+        """Hold the snapshot against writers to read it; yields its state."""
+        with self._locked(fcntl.LOCK_SH):
+            state = self._read_state()
+            if state.writing is not None:
+                # A writer died mid-write and nobody has recovered yet: nothing here is a version.
+                state = SnapshotState(boot_id=state.boot_id)
+            yield state
+
+    # -- writing (under `exclusive`) ------------------------------------------------------------
+
+    def begin_delta(self, version: int, previous: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Announce a delta: store the values it overwrites, then mark the data as being written.
+
+        Args:
+            version: The version the delta produces.
+            previous: Parameter name -> (flat indices, bf16 values there now).
+        """
+        tensors = {}
+        for name, (indices, values) in previous.items():
+            tensors[f"{name}:indices"] = indices.to(torch.int64).contiguous()
+            tensors[f"{name}:values"] = values.contiguous()
+        target = self._undo_path(version)
+        temporary = target.with_suffix(".tmp")
+        save_file(tensors, str(temporary))
+        os.replace(temporary, target)
+        self._mark_writing(version, "delta")
+
+    def begin_anchor(self, version: int) -> None:
+        """Announce an anchor: every tensor is about to be overwritten, so no version held
+        before it can be rebuilt any more."""
+        state = self._writer_state()
+        for entry in state.history:
+            self._undo_path(entry.version).unlink(missing_ok=True)
+        state.history = []
+        self._mark_writing(version, "anchor")
+
+    def finish(
+        self,
+        *,
+        version: int,
+        kind: str,
+        anchor_version: int,
+        run_id: str,
+        epoch: str | None,
+        checksums: Mapping[str, int],
+        names: Iterable[str],
+    ) -> None:
+        """Record the version the data now holds and forget the oldest beyond `history`."""
+        state = self._writer_state()
+        if kind == "anchor":
+            state.history = []
+        state.history.append(HistoryEntry(version, kind, anchor_version, tuple(sorted(names)), dict(checksums)))
+        for entry in state.history[: -self.history]:
+            self._undo_path(entry.version).unlink(missing_ok=True)
+        state.history = state.history[-self.history :]
+        state.version, state.anchor_version, state.run_id, state.epoch = version, anchor_version, run_id, epoch
+        state.checksums = dict(checksums)
+        state.writing = None
+        self._write_state(state)
+
+    def save(self, *, anchor_needed: str | None) -> None:
+        """Record why the next update must load an anchor (None: it need not)."""
+        state = self._writer_state()
+        if state.anchor_needed != anchor_needed:
+            state.anchor_needed = anchor_needed
+            self._write_state(state)
+
+    # -- reading (under `shared` or `exclusive`) ------------------------------------------------
+
+    def tensors_at(
+        self, state: SnapshotState, version: int, names: Iterable[str], checksums: Mapping[str, int]
+    ) -> dict[str, torch.Tensor]:
+        """The tensors `names` as they were at `version`: views of the file when it holds
+        that version, otherwise copies rebuilt from the undo records and checked against
+        `checksums` (the version's own).
+
+        Args:
+            state: The state [`shared`] or [`exclusive`] yielded.
+            version: The version wanted.
+            names: Parameters wanted.
+            checksums: Every parameter's checksum at `version`, as the caller holds it.
+
+        Raises:
+            SnapshotMovedError: The snapshot no longer holds that version nor can rebuild it.
+            IntegrityError: A rebuilt tensor does not match its checksum.
+        """
+        names = sorted(names)
+        entry = state.entry(version)
+        if entry is None or entry.model_checksum != model_checksum(checksums):
+            held = "nothing" if state.version is None else f"version {state.version}"
+            raise SnapshotMovedError(
+                f"{self.directory}: the node's snapshot holds {held} and can no longer rebuild version {version} "
+                f"(it keeps the last {self.history}, none across an anchor); catch up to the newest version instead",
+                held=state.version,
+                wanted=version,
+            )
+        if version == state.version:
+            return {name: self._views[name] for name in names}
+        newer = [e.version for e in state.history if e.version > version]
+        records = [load_file(str(self._undo_path(v))) for v in sorted(newer, reverse=True)]
+        rebuilt = {}
+        for name in names:
+            tensor = self._views[name].clone()
+            for record in records:
+                if f"{name}:indices" in record:
+                    scatter_(tensor, record[f"{name}:indices"], record[f"{name}:values"])
+            if tensor_checksum(tensor) != checksums[name]:
+                raise IntegrityError(f"{self.directory}: {name!r} rebuilt at version {version} fails its checksum")
+            rebuilt[name] = tensor
+        return rebuilt
+
+    # -- internals ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _locked(self, mode: int) -> Iterator[None]:
+        fcntl.flock(self._lock_fd, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _map(self, numel: int) -> None:
+        """Map the data file, creating it at its size (sparse: no memory until written)."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if os.fstat(fd).st_size != self.nbytes:
+                os.ftruncate(fd, self.nbytes)
+                self._write_state(SnapshotState(boot_id=_boot_id()))
+        finally:
+            os.close(fd)
+        flat = torch.from_file(str(self.path), shared=True, size=numel, dtype=torch.bfloat16)
+        self._views = {
+            name: flat[offset : offset + _numel(self.shapes[name])].view(self.shapes[name])
+            for name, offset in self._offsets.items()
+        }
+
+    def _writer_state(self) -> SnapshotState:
+        if self._state is None:
+            raise RuntimeError("the node snapshot is changed only under exclusive()")
+        return self._state
+
+    def _mark_writing(self, version: int, kind: str) -> None:
+        state = self._writer_state()
+        state.writing = {"version": version, "kind": kind}
+        self._write_state(state)
+
+    def _recover(self, state: SnapshotState) -> SnapshotState:
+        """Undo a write a crashed process left half done; returns the state recovered."""
+        version, kind = state.writing["version"], state.writing["kind"]
+        record = self._undo_path(version)
+        if kind == "delta" and record.is_file():
+            # The record was stored before the first value was overwritten: restoring it
+            # is right however far the write got.
+            undo = load_file(str(record))
+            for key, indices in undo.items():
+                if key.endswith(":indices"):
+                    name = key.removesuffix(":indices")
+                    scatter_(self._views[name], indices, undo[f"{name}:values"])
+            record.unlink()
+            state.writing = None
+            logger.warning(
+                "delta-sync: a process died writing version %s; the node snapshot is back at version %s",
+                version,
+                state.version,
+            )
+        else:
+            for entry in state.history:
+                self._undo_path(entry.version).unlink(missing_ok=True)
+            state = SnapshotState(boot_id=state.boot_id)
+            logger.warning(
+                "delta-sync: a process died writing anchor v%s; the node snapshot waits for an anchor", version
+            )
+        self._write_state(state)
+        return state
+
+    def _read_state(self) -> SnapshotState:
+        try:
+            state = SnapshotState.from_json((self.directory / _STATE).read_text())
+        except FileNotFoundError:
+            return SnapshotState(boot_id=_boot_id())
+        except (ValueError, KeyError, TypeError) as exc:
+            logger.warning("delta-sync: %s is unreadable (%s); the node snapshot starts empty", _STATE, exc)
+            return SnapshotState(boot_id=_boot_id())
+        if state.boot_id != _boot_id():
+            # Written before the machine restarted: the data may not have reached the disk.
+            return SnapshotState(boot_id=_boot_id())
+        return state
+
+    def _write_state(self, state: SnapshotState) -> None:
+        target = self.directory / _STATE
+        temporary = target.with_suffix(".tmp")
+        temporary.write_text(state.to_json())
+        os.replace(temporary, target)
+
+    def _undo_path(self, version: int) -> Path:
+        return self.directory / _UNDO / f"{version:08d}.safetensors"
+
+
+def mapped_memory(path: str | os.PathLike) -> dict[str, int]:
+    """This process's resident (`rss`), proportional (`pss`) and private bytes of the mapped
+    file `path`, from `/proc/self/smaps`; zeros where that cannot be read."""
+    totals = {"rss": 0, "pss": 0, "private": 0}
+    keys = {"Rss:": "rss", "Pss:": "pss", "Private_Clean:": "private", "Private_Dirty:": "private"}
+    target = str(path)
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return totals
+    inside = False
+    for line in lines:
+        fields = line.split()
+        if not fields:
+            continue
+        if not fields[0].endswith(":"):  # a mapping's first line: address range ... path
+            inside = fields[-1] == target
+        elif inside and fields[0] in keys:
+            totals[keys[fields[0]]] += int(fields[1]) * 1024
+    return totals
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _layout_digest(shapes: Mapping[str, tuple[int, ...]]) -> str:
+    layout = json.dumps(sorted((name, list(shape)) for name, shape in shapes.items()))
+    return hashlib.sha256(layout.encode()).hexdigest()
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
