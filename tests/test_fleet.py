@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_vllm import EMPTY_SHA256, PROMPT, TinyTrainer, greedy, run_example
+from test_vllm import EMPTY_SHA256, PROMPT, SERVER_POLL_SECONDS, TinyTrainer, greedy, run_example
 
 from delta_sync import Receiver
 from delta_sync.layout import LATEST, Latest
@@ -32,7 +32,7 @@ def snapshot_dirs(cache: Path) -> list[Path]:
     return sorted(path for path in (cache / "snapshots").iterdir() if path.is_dir())
 
 
-def wait_until(condition, what: str, timeout: float = 300.0, interval: float = 0.5):
+def wait_until(condition, what: str, timeout: float = 300.0, interval: float = SERVER_POLL_SECONDS):
     deadline = time.monotonic() + timeout
     while not (value := condition()):
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
@@ -93,6 +93,7 @@ def test_a_tensor_parallel_server_follows_grpo_with_one_snapshot(tp_server, buck
     # Both workers map the one node snapshot; the kernel counts no page of it as either's own,
     # and their proportional shares add up to one copy.
     memory = tp_server.rpc("delta_sync_snapshot")
+    print(f"TP=2 snapshot memory per worker: {memory}")  # shown with -s: docs/vllm.md quotes it
     assert len({m["shared_path"] for m in memory}) == 1
     assert all(m["private_bytes"] <= 0.01 * m["shared_bytes"] for m in memory), memory
     assert all(m["resident_bytes"] > 0 for m in memory), memory
@@ -125,8 +126,7 @@ def test_a_fleet_converges_with_a_late_joiner_a_restart_and_a_follower(served_mo
         for process in (pushed.launch(), follower_server.launch()):
             process.wait_healthy()
         command = [sys.executable, "-m", "delta_sync.cli", "follow", trainer.bucket]
-        # Polls every 2 s: a vLLM worker busy-waits for 1 s after each request it serves,
-        # and the servers of this test share one machine's two cores.
+        # Polls every 2 s: see SERVER_POLL_SECONDS.
         with open(log, "wb") as out:
             follower = subprocess.Popen(
                 [*command, "--vllm-url", follower_server.url, "--interval", "2"],

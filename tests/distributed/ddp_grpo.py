@@ -19,6 +19,7 @@ import argparse
 import functools
 import hashlib
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -120,7 +121,10 @@ def main() -> None:
         "prompts_per_rank": [seen["prompts"] for seen in everyone],
         "publishers": sum(seen["publisher"] for seen in everyone),
     }
-    print("RESULT " + json.dumps(result), flush=True)
+    # Both ranks share one stdout pipe: the line goes out in one write (under PIPE_BUF, so
+    # atomic) after everything buffered, never interleaved with the other rank's output.
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), f"RESULT {json.dumps(result)}\n".encode())
 
 
 if __name__ == "__main__":
