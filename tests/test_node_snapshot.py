@@ -154,6 +154,25 @@ def test_a_failed_load_puts_the_worker_back_and_keeps_the_node(stepwise, tmp_pat
     assert_bit_exact(stepwise.states[version], bf16_state(model))
 
 
+def test_a_version_that_moves_out_of_reach_before_loading_leaves_the_model_untouched(stepwise, tmp_path):
+    nodes = tmp_path / "snapshots"
+    ahead, _ = worker(nodes, history=2)
+    behind, behind_model = worker(nodes, history=2)
+    behind.update(stepwise.root)
+    pending = behind.prepare(stepwise.root, delta_path(stepwise.step()))  # v2, prepared
+    for _ in range(3):  # another server takes the node past the history before v2 is loaded
+        ahead.update(stepwise.root, delta_path(stepwise.step()))
+
+    calls = []
+    with pytest.raises(SnapshotMovedError):
+        pending.commit(lambda weights: calls.append(weights))
+    assert calls == []  # nothing was handed to the model, nothing reloaded
+    assert behind.serving.version == behind.version == 1
+    assert_bit_exact(stepwise.states[1], bf16_state(behind_model))
+    behind.update(stepwise.root)
+    assert_bit_exact(stepwise.states[5], bf16_state(behind_model))
+
+
 def test_an_aborted_update_leaves_the_worker_serving_its_version(stepwise, tmp_path):
     receiver, model = worker(tmp_path / "snapshots")
     receiver.update(stepwise.root)

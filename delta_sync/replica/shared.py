@@ -84,6 +84,8 @@ class SharedReceiver(Receiver):
         self._served = _Fields()
         # The model may hold weights of no version (a load failed): load every tensor next time.
         self._reload_all = False
+        # Whether the open update has handed anything to `load_weights` yet.
+        self._model_touched = False
 
     def memory(self) -> SnapshotMemory:
         """Where the snapshot lives: the shared file, and what the kernel says this process
@@ -168,6 +170,7 @@ class SharedReceiver(Receiver):
 
     def _open_pending(self) -> PendingUpdate:
         self._served = self._fields()
+        self._model_touched = False
         return super()._open_pending()
 
     def _before_write(
@@ -195,7 +198,9 @@ class SharedReceiver(Receiver):
         names = self._with_companions(names)
         with self._node.shared() as state:
             # Held until loaded: no writer moves the views meanwhile.
-            load(sorted(self._node.tensors_at(state, self.version, names, self.checksums).items()))
+            tensors = self._node.tensors_at(state, self.version, names, self.checksums)
+            self._model_touched = True
+            load(sorted(tensors.items()))
         if names >= set(self.expected_shapes):
             self._reload_all = False
 
@@ -205,7 +210,8 @@ class SharedReceiver(Receiver):
 
     def _roll_back_pending(self, pending: PendingUpdate, load: LoadWeights | None, names: list[str]) -> None:
         self._set_fields(self._served)
-        self._reload(load, names)
+        if self._model_touched:  # else the version could not be read: the model is as it was
+            self._reload(load, names)
 
     def _model_diverged(self, reason: str) -> None:
         logger.warning("delta-sync: %s; the next update reloads every tensor", reason)
