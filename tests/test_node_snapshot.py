@@ -284,3 +284,14 @@ def test_a_snapshot_written_before_a_reboot_is_not_trusted(stepwise, tmp_path, m
     result = second.update(stepwise.root)
     assert result.applied  # loaded from the bucket again, not from the old file
     assert_bit_exact(stepwise.states[1], bf16_state(model))
+
+
+def test_a_damaged_state_file_is_not_trusted(stepwise, tmp_path):
+    nodes = tmp_path / "snapshots"
+    first, _ = worker(nodes)
+    first.update(stepwise.root)
+    (directory,) = [d for d in nodes.iterdir() if d.is_dir()]
+    (directory / "state.json").write_text('{"format": 1, "version": 1')  # cut short
+    second, model = worker(nodes)
+    assert second.update(stepwise.root).applied  # from the bucket again, not from the file
+    assert_bit_exact(stepwise.states[1], bf16_state(model))
