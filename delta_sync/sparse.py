@@ -154,10 +154,8 @@ del _bit
 
 @numba.njit(inline="always")
 def _bf16_bits(current, i, nan_bits):
-    """bf16 bits of element `i`: itself for bf16 (int16) input; for fp32 (int32) input,
-    rounded to nearest even as torch does, NaN to torch's pattern."""
-    if current.itemsize == 2:
-        return np.int16(current[i])
+    """bf16 bits of the fp32 element `i` (given as int32): rounded to nearest even as torch
+    does, NaN to torch's pattern. (bf16 parameters never reach the compiled pass.)"""
     word = np.uint32(current[i])
     if word & np.uint32(0x7FFFFFFF) > np.uint32(0x7F800000):
         return np.int16(nan_bits)

@@ -144,8 +144,7 @@ class SharedReceiver(Receiver):
                 return worker  # asked for what it holds, or older: nothing to do
         entry = state.entry(version)
         if entry is None:
-            # Checked when loading too; failing here leaves the session untouched.
-            self._node.tensors_at(state, version, (), {})
+            raise self._node.moved_past(state, version)  # before anything is loaded
         return _Fields(version, entry.anchor_version, state.run_id, state.epoch, entry.checksums)
 
     def _names_between(self, state: SnapshotState, base: _Fields, target: _Fields) -> set[str]:

@@ -37,6 +37,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
@@ -178,7 +179,7 @@ class NodeSnapshot:
         numel = 0
         for name, shape in self.shapes.items():
             self._offsets[name] = numel
-            numel += -(-_numel(shape) // _ALIGN) * _ALIGN
+            numel += -(-math.prod(shape) // _ALIGN) * _ALIGN
         self.nbytes = numel * 2
         (self.directory / _UNDO).mkdir(parents=True, exist_ok=True)
         self._lock_fd = os.open(self.directory / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
@@ -307,13 +308,7 @@ class NodeSnapshot:
         names = sorted(names)
         entry = state.entry(version)
         if entry is None or entry.model_checksum != model_checksum(checksums):
-            held = "nothing" if state.version is None else f"version {state.version}"
-            raise SnapshotMovedError(
-                f"{self.directory}: the node's snapshot holds {held} and can no longer rebuild version {version} "
-                f"(it keeps the last {self.history}, none across an anchor); catch up to the newest version instead",
-                held=state.version,
-                wanted=version,
-            )
+            raise self.moved_past(state, version)
         if version == state.version:
             return {name: self._views[name] for name in names}
         newer = [e.version for e in state.history if e.version > version]
@@ -328,6 +323,16 @@ class NodeSnapshot:
                 raise IntegrityError(f"{self.directory}: {name!r} rebuilt at version {version} fails its checksum")
             rebuilt[name] = tensor
         return rebuilt
+
+    def moved_past(self, state: SnapshotState, version: int) -> SnapshotMovedError:
+        """The error for a version the snapshot can no longer rebuild."""
+        held = "nothing" if state.version is None else f"version {state.version}"
+        return SnapshotMovedError(
+            f"{self.directory}: the node's snapshot holds {held} and can no longer rebuild version {version} "
+            f"(it keeps the last {self.history}, none across an anchor); catch up to the newest version instead",
+            held=state.version,
+            wanted=version,
+        )
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -350,7 +355,7 @@ class NodeSnapshot:
             os.close(fd)
         flat = torch.from_file(str(self.path), shared=True, size=numel, dtype=torch.bfloat16)
         self._views = {
-            name: flat[offset : offset + _numel(self.shapes[name])].view(self.shapes[name])
+            name: flat[offset : offset + math.prod(self.shapes[name])].view(self.shapes[name])
             for name, offset in self._offsets.items()
         }
 
@@ -436,13 +441,6 @@ def mapped_memory(path: str | os.PathLike) -> dict[str, int]:
         elif inside and fields[0] in keys:
             totals[keys[fields[0]]] += int(fields[1]) * 1024
     return totals
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def _layout_digest(shapes: Mapping[str, tuple[int, ...]]) -> str:
