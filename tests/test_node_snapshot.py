@@ -295,3 +295,20 @@ def test_a_damaged_state_file_is_not_trusted(stepwise, tmp_path):
     second, model = worker(nodes)
     assert second.update(stepwise.root).applied  # from the bucket again, not from the file
     assert_bit_exact(stepwise.states[1], bf16_state(model))
+
+
+def test_mapped_memory_counts_copied_pages_not_pages_only_one_process_touched(tmp_path):
+    import mmap
+
+    path = tmp_path / "weights.bin"
+    path.write_bytes(bytes(4 * mmap.PAGESIZE))
+    with path.open("r+b") as file:
+        shared = mmap.mmap(file.fileno(), 0, flags=mmap.MAP_SHARED)
+        shared[0] = 1  # written through to the one page-cache copy
+        touched = snapshot_module.mapped_memory(path)
+        assert touched["rss"] >= mmap.PAGESIZE and touched["private"] == 0
+        shared.close()
+        copied = mmap.mmap(file.fileno(), 0, flags=mmap.MAP_PRIVATE)
+        copied[0] = 2  # copy-on-write: this process now holds its own page
+        assert snapshot_module.mapped_memory(path)["private"] == mmap.PAGESIZE
+        copied.close()

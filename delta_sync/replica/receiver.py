@@ -116,8 +116,9 @@ class SnapshotMemory:
     Args:
         shared_path: The node snapshot's file, or None for a private snapshot.
         shared_bytes: Size of that file (one copy per machine, however many map it).
-        private_bytes: Bytes of the snapshot only this process holds: its own tensors, or
-            pages of the shared file no other process maps.
+        private_bytes: Bytes of the snapshot this process holds as its own copy: a private
+            snapshot's tensors, or copy-on-write pages of the shared file (none while it is
+            mapped shared, as it is).
         resident_bytes: Pages of the shared file resident in this process's mapping.
         proportional_bytes: This process's share of them (the kernel's PSS: pages mapped by
             `n` processes count `1/n`), so the shares of a machine's workers add up to

@@ -422,10 +422,16 @@ class NodeSnapshot:
 
 
 def mapped_memory(path: str | os.PathLike) -> dict[str, int]:
-    """This process's resident (`rss`), proportional (`pss`) and private bytes of the mapped
-    file `path`, from `/proc/self/smaps`; zeros where that cannot be read."""
+    """This process's resident (`rss`) and proportional (`pss`) bytes of the mapped file `path`,
+    and its copy-on-write copies of the file's pages (`private`), from `/proc/self/smaps`;
+    zeros where that cannot be read.
+
+    smaps' own `Private_*` counts pages no other process happens to map (a tensor-parallel
+    rank reads only its half of a split weight): they are still the one page-cache copy,
+    so they are not what `private` means here.
+    """
     totals = {"rss": 0, "pss": 0, "private": 0}
-    keys = {"Rss:": "rss", "Pss:": "pss", "Private_Clean:": "private", "Private_Dirty:": "private"}
+    keys = {"Rss:": "rss", "Pss:": "pss", "Anonymous:": "private"}
     target = str(path)
     try:
         lines = Path("/proc/self/smaps").read_text().splitlines()
