@@ -253,12 +253,13 @@ def _encode_tensor(
         if indices.size:
             groups.encode(0, ops, indices, classes, zigzag)
         return _assemble(boundaries, groups, ops)
-    # One pass over the tensor: each change's rank among its group, and the groups' sizes;
-    # then the changes ordered by group (a counting sort, stable).
+    # One pass over the tensor: each change's rank among its group, and the groups' sizes,
+    # with the changes ordered by group (stable).
     counts = np.zeros(len(boundaries) + 1, np.int64)
-    ranks, order = _rank_changes(bits, _group_table(boundaries), indices, old_bits, counts)
+    ranks, classes, zigzag = _rank_changes(
+        bits, _group_table(boundaries), indices, old_bits, classes, zigzag, np.array(changed, np.int64), counts
+    )
     groups = _Groups(counts.tolist(), changed, _class_tables(group_counts))
-    ranks, classes, zigzag = ranks[order], classes[order], zigzag[order]
     start = 0
     for group, count in enumerate(changed):
         if count:
@@ -363,20 +364,25 @@ def _run_histogram(bits, runs, step, length, indices, old_bits, patched):
 
 
 @numba.njit(nogil=True, cache=True)
-def _rank_changes(bits, group_of, indices, old_bits, counts):
-    """Rank of each change among the members of its group (by previous exponent), the
-    group sizes (into `counts`), and the order of the changes by group (stable).
+def _rank_changes(bits, group_of, indices, old_bits, classes, zigzag, changed, counts):
+    """Rank of each change among the members of its group (by previous exponent), and the
+    group sizes (into `counts`): `(ranks, classes, zigzag)` ordered by group, stable.
 
     `bits` is the previous tensor, except that at the changed positions the old values
-    come from `old_bits`. Members are counted with 8 one-byte counters packed in a 64-bit
-    word (an addition per element, no memory dependency), in blocks of 255 elements; the
-    counters before each element of a block are kept, so that a change's rank is a lookup.
+    come from `old_bits`; `changed` holds the changes per group. Members are counted with 8
+    one-byte counters packed in a 64-bit word (an addition per element, no memory
+    dependency), in blocks of 255 elements; the counters before each element of a block
+    are kept, so that a change's rank is a lookup.
     """
     numel = bits.size
     increments = _increments(group_of)
     groups = counts.size
     ranks = np.empty(indices.size, indices.dtype)
-    members = np.zeros(groups, np.int64)
+    sorted_classes = np.empty_like(classes)
+    sorted_zigzag = np.empty_like(zigzag)
+    slots = np.zeros(groups, np.int64)
+    for group in range(1, groups):
+        slots[group] = slots[group - 1] + changed[group - 1]
     before = np.empty(255, np.uint64)
     j = 0
     for block in range(0, numel, 255):
@@ -392,23 +398,17 @@ def _rank_changes(bits, group_of, indices, old_bits, counts):
             exponent = (old_bits[j] >> 7) & 0xFF
             group = group_of[exponent]
             field = ((before[indices[j] - block] + correction) >> np.uint64(8 * group)) & np.uint64(0xFF)
-            ranks[j] = counts[group] + np.int64(field)
-            members[group] += 1
+            slot = slots[group]
+            ranks[slot] = counts[group] + np.int64(field)
+            sorted_classes[slot] = classes[j]
+            sorted_zigzag[slot] = zigzag[j]
+            slots[group] = slot + 1
             correction += increments[exponent] - increments[(bits[indices[j]] >> 7) & 0xFF]
             j += 1
         packed += correction
         for group in range(groups):
             counts[group] += np.int64((packed >> np.uint64(8 * group)) & np.uint64(0xFF))
-    # Counting sort of the changes by group.
-    starts = np.zeros(groups, np.int64)
-    for group in range(1, groups):
-        starts[group] = starts[group - 1] + members[group - 1]
-    order = np.empty(indices.size, np.int64)
-    for j in range(indices.size):
-        group = group_of[(old_bits[j] >> 7) & 0xFF]
-        order[starts[group]] = j
-        starts[group] += 1
-    return ranks, order
+    return ranks, sorted_classes, sorted_zigzag
 
 
 def _assemble(boundaries: list[int], groups: _Groups, ops: list[_Op]) -> np.ndarray:
@@ -679,10 +679,8 @@ def _choose_boundaries(
         return []
     windows = _windows(atoms.size)
     present = class_counts[:, class_counts.any(axis=0)]
-    n, h = np.add.reduceat(elements, atoms), np.add.reduceat(present, atoms, axis=0)
-    cost = _range_costs(n, h, windows.starts, windows.ends)
-    total = cost[windows.ranges].sum(axis=1) + _GROUP_PENALTY * numel * (windows.groups - 1)
-    best = int(np.argmin(total))
+    n, h = np.add.reduceat(elements, atoms), np.add.reduceat(present.astype(np.float64), atoms, axis=0)
+    best = _best_split(n, h, windows.starts, windows.ends, windows.ranges, windows.groups, _GROUP_PENALTY * numel)
     return atoms[windows.firsts[best, 1 : windows.groups[best]]].tolist()
 
 
@@ -717,27 +715,46 @@ def _windows(atoms: int) -> _Windows:
     return _Windows(starts, ends, rows, firsts, np.array([len(split) for split in splits]))
 
 
-def _xlogx(x: np.ndarray) -> np.ndarray:
-    return x * np.log2(np.maximum(x, 1))
+@numba.njit(inline="always")
+def _xlogx(x):
+    return x * np.log2(x) if x > 1.0 else 0.0
 
 
-def _range_costs(n: np.ndarray, h: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """Estimated bits of a group made of atoms `starts[i]..ends[i] - 1` (`n` elements and `h`
-    changes per value class, per atom): `n H(k / n)` for the positions plus `k` times the
-    empirical entropy of the classes, which sum to `xlogx(n) - xlogx(n - k) - sum(xlogx(h))`,
-    plus the value table. One more zero stands for no group."""
-    cn = np.zeros(n.size + 1)
-    np.cumsum(n, out=cn[1:])
-    ch = np.zeros((n.size + 1, h.shape[1]))
-    np.cumsum(h, axis=0, out=ch[1:])
-    group_n = cn[ends] - cn[starts]
-    group_h = ch[ends] - ch[starts]
-    group_k = group_h.sum(axis=1)
-    bits = np.zeros(starts.size + 1)
-    body = bits[:-1]
-    body += _xlogx(group_n) - _xlogx(np.maximum(group_n - group_k, 0)) - _xlogx(group_h).sum(axis=1)
-    body += (group_k > 0) * (8.0 * (2 + np.count_nonzero(group_h, axis=1))) + 24
-    return bits
+@numba.njit(nogil=True, cache=True)
+def _best_split(n, h, starts, ends, ranges, groups, boundary_bits):
+    """The split of least estimated size: row of `ranges` (the atom ranges of its groups).
+
+    A group of atoms `starts[i]..ends[i] - 1` (with `n` elements and `h` changes per value
+    class, per atom) costs `n H(k / n)` bits for its positions plus `k` times the
+    empirical entropy of its classes, which sum to `xlogx(n) - xlogx(n - k) -
+    sum(xlogx(h))`, plus its value table; each boundary costs `boundary_bits`.
+    """
+    atoms, classes = h.shape
+    cn = np.zeros(atoms + 1)
+    ch = np.zeros((atoms + 1, classes))
+    for atom in range(atoms):
+        cn[atom + 1] = cn[atom] + n[atom]
+        for c in range(classes):
+            ch[atom + 1, c] = ch[atom, c] + h[atom, c]
+    cost = np.zeros(starts.size + 1)  # the last: an empty slot of a split with fewer groups
+    for r in range(starts.size):
+        group_n = cn[ends[r]] - cn[starts[r]]
+        group_k, present, entropy = 0.0, 0, 0.0
+        for c in range(classes):
+            count = ch[ends[r], c] - ch[starts[r], c]
+            group_k += count
+            present += count > 0
+            entropy += _xlogx(count)
+        bits = _xlogx(group_n) - _xlogx(max(group_n - group_k, 0.0)) - entropy + 24.0
+        cost[r] = bits + 8.0 * (2 + present) if group_k > 0 else bits
+    best, best_total = 0, np.inf
+    for split in range(ranges.shape[0]):
+        total = boundary_bits * (groups[split] - 1)
+        for slot in range(ranges.shape[1]):
+            total += cost[ranges[split, slot]]
+        if total < best_total:
+            best, best_total = split, total
+    return best
 
 
 # -- entropy-coded fields --------------------------------------------------------------------
@@ -791,22 +808,17 @@ class _Groups:
 
     def encode(self, group: int, ops: list[_Op], ranks: np.ndarray, classes: np.ndarray, zigzag: np.ndarray) -> None:
         """Push the ops of one group's changes: `ranks` among the group, value `classes`, `zigzag` values."""
-        coded = _complement(ranks, self.counts[group]) if self.complement[group] else ranks
-        gaps = _gaps(coded)
         shift = self.shifts[group]
-        tops = gaps >> shift if shift else gaps
-        if tops.size:
-            symbols = np.minimum(tops, _TOPS, dtype=np.int32)
-            if not self.complement[group]:
-                symbols *= self.tables[group].size
-                symbols += classes
+        symbols, lows, excess = _position_symbols(
+            ranks, classes, self.counts[group], self.complement[group], shift, self.tables[group].size
+        )
+        if symbols.size:
             ops.append(_Op(symbols, self._positions_model(group)))
         if self.complement[group] and self.tables[group].size > 1:
             ops.append(_Op(classes, self._classes_model(group)))
-        if tops.size:
-            _encode_bits(ops, gaps & ((1 << shift) - 1), shift)
-            if tops.max() >= _TOPS:  # lengths, then bits, of the excess of the escaped tops
-                excess = tops[tops >= _TOPS].astype(np.int64) - _TOPS + 1
+        if symbols.size:
+            _encode_bits(ops, lows, shift)
+            if excess.size:  # lengths, then bits, of the excess of the escaped tops
                 lengths = _bit_length(excess)
                 ops.append(_Op(lengths - 1, _UNIFORM_64))
                 _encode_raw(ops, excess - (np.int64(1) << (lengths - 1)), lengths - 1)
@@ -870,20 +882,50 @@ class _Groups:
         return _Categorical(self._class_probabilities[group, : self.tables[group].size], perfect=False)
 
 
+@numba.njit(nogil=True, cache=True)
+def _position_symbols(ranks, classes, count, complement, shift, table_size):
+    """The coded fields of one group's positions, in one pass: `(symbols, lows, excess)`.
+
+    The coded elements are the changed ones (`ranks`, ascending) or, with `complement`, the
+    group's other members. For each, the gap since the previous one splits into its top
+    (`gap >> shift`) and its `shift` low bits; a symbol is the top, or `_TOPS` (an escape)
+    with `top - _TOPS + 1` in `excess`, joined with the value class where changed elements
+    are coded.
+    """
+    coded = count - ranks.size if complement else ranks.size
+    symbols = np.empty(coded, np.int32)
+    lows = np.empty(coded if shift else 0, np.int64)
+    excess = np.empty(coded, np.int64)
+    escaped = 0
+    mask = (np.int64(1) << shift) - 1
+    previous = np.int64(-1)
+    r = 0
+    position = np.int64(-1)
+    for j in range(coded):
+        if complement:  # the next member that is not among the ranks
+            position += 1
+            while r < ranks.size and ranks[r] == position:
+                position += 1
+                r += 1
+        else:
+            position = np.int64(ranks[j])
+        gap = position - previous - 1
+        previous = position
+        top = gap >> shift
+        if shift:
+            lows[j] = gap & mask
+        if top >= _TOPS:
+            excess[escaped] = top - _TOPS + 1
+            escaped += 1
+            top = _TOPS
+        symbols[j] = top if complement else top * table_size + classes[j]
+    return symbols, lows, excess[:escaped]
+
+
 def _complement(ranks: np.ndarray, count: int) -> np.ndarray:
     keep = np.ones(count, dtype=bool)
     keep[ranks] = False
     return np.flatnonzero(keep)
-
-
-def _gaps(ranks: np.ndarray) -> np.ndarray:
-    """Elements skipped before each of the ascending `ranks`."""
-    gaps = np.empty_like(ranks)
-    if ranks.size:
-        gaps[0] = ranks[0]
-        np.subtract(ranks[1:], ranks[:-1], out=gaps[1:])
-        gaps[1:] -= 1
-    return gaps
 
 
 def _gap_shift(count: int, coded: int) -> int:
