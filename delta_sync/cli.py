@@ -49,7 +49,7 @@ def _inspect(args: argparse.Namespace) -> int:
         opened = open_bucket(bucket)
         with receiver.open_version(opened, path) as file:
             if args.decode and isinstance(file, Delta):
-                if file.encoded is not None:
+                if file.coded:
                     _replay_to(receiver, opened, file.header.base_version)
                 return _print_changes(file.decoded(receiver.weights))
             return _describe(args, file)

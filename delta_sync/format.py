@@ -24,7 +24,8 @@ Both carry further metadata (all values are strings, as safetensors requires):
 | `encoding` | `"dense"` for anchors, `"raw"` for raw deltas |
 | `run_id` | identifier of the training run; deltas never cross runs |
 | `epoch` | identifies one start of the publisher (a resumed run gets a new one) |
-| `part`, `blocks` | (parts of a sharded version) `rank/world_size`; an anchor part's block offsets |
+| `part`, `blocks` | (parts of a sharded version) `rank/world_size`; the offset of each parameter's block in an anchor part or a compact delta part |
+| `block_shapes` | (compact delta parts) the shape of each parameter's block, which the part is coded in |
 | `shapes` | JSON `{name: shape}` of every parameter in the file |
 | `checksums` | JSON `{name: hex}`: state checksum of each parameter in the file *after* applying |
 | `base_checksums` | (delta) JSON `{name: hex}`: the same, *before* applying |
@@ -123,10 +124,13 @@ class FileHeader:
         part: `(rank, world_size)` for one rank's part of a version written in parts
             (see `delta_sync.manifest`); None for a whole file. A part's `checksums` are
             its share of each parameter's checksum, and it has no `model_checksum`.
-        blocks: For an anchor part, the offset in each parameter's full tensor of the
-            block stored (the stored tensor's shape is the block's). A single offset with a
-            1-D stored tensor, for a parameter of another rank, is a range of the flattened
-            parameter (a DeepSpeed ZeRO-3 partition).
+        blocks: For an anchor part or a compact delta part, the offset in each parameter's
+            full tensor of the block stored. A single offset with a 1-D block, for a
+            parameter of another rank, is a range of the flattened parameter (a DeepSpeed
+            ZeRO-3 partition).
+        block_shapes: For a compact delta part, the shape of each parameter's block: the part
+            codes the block's changes against the block's previous values, at positions
+            inside the block. (An anchor part's block has its stored tensor's shape.)
     """
 
     source: str
@@ -146,6 +150,7 @@ class FileHeader:
     epoch: str = ""
     part: tuple[int, int] | None = None
     blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    block_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def sparsity(self) -> float:
@@ -159,9 +164,12 @@ class FileHeader:
         """Parameters present in the file, sorted."""
         return sorted(self.shapes)
 
-    def block(self, name: str, stored_shape: tuple[int, ...]) -> Block:
-        """Where an anchor's stored tensor of `name` sits in the full parameter."""
-        return Block(self.blocks.get(name, (0,) * len(stored_shape)), stored_shape)
+    def block(self, name: str, stored_shape: tuple[int, ...] | None = None) -> Block:
+        """Where this file's data for `name` sits in the full parameter: an anchor's stored
+        tensor (of `stored_shape`), or the block a compact delta part is coded in; the
+        whole parameter for a file that is not a part."""
+        shape = self.block_shapes.get(name, self.shapes[name] if stored_shape is None else stored_shape)
+        return Block(self.blocks.get(name, (0,) * len(shape)), shape)
 
     def to_metadata(self) -> dict[str, str]:
         metadata = {
@@ -186,6 +194,10 @@ class FileHeader:
             metadata["part"] = f"{self.part[0]}/{self.part[1]}"
         if self.blocks:
             metadata["blocks"] = json.dumps({name: list(offset) for name, offset in sorted(self.blocks.items())})
+        if self.block_shapes:
+            metadata["block_shapes"] = json.dumps(
+                {name: list(shape) for name, shape in sorted(self.block_shapes.items())}
+            )
         if self.kind == "delta":
             metadata.update(
                 base_version=str(self.base_version),
@@ -352,7 +364,8 @@ _METADATA_FIELDS = (
     _Field("payload_xxh3", "payload_digest", str),
     _Field("epoch", "epoch", str, required=False),
     _Field("part", "part", _parse_part, required=False),
-    _Field("blocks", "blocks", _parse_blocks, ("anchor",), required=False),
+    _Field("blocks", "blocks", _parse_blocks, required=False),
+    _Field("block_shapes", "block_shapes", _parse_shapes, ("delta",), required=False),
 )
 
 
@@ -368,7 +381,20 @@ def _check_consistency(kind: str, values: Mapping[str, Any], source: str) -> Non
         if missing:
             raise FormatError(f"{source}: metadata {key!r} has no entry for {missing[0]!r}")
     if "blocks" in values and ("part" not in values or sorted(values["blocks"]) != sorted(shapes)):
-        raise _malformed(source, "blocks", "only an anchor part has blocks, one per parameter of 'shapes'")
+        raise _malformed(source, "blocks", "only a part has blocks, one per parameter of 'shapes'")
+    # A compact delta part is coded in blocks; any other delta holds positions in full tensors.
+    coded_in_blocks = kind == "delta" and "part" in values and values["encoding"] == "compact"
+    if kind == "delta" and ("blocks" in values) != coded_in_blocks:
+        raise _malformed(source, "blocks", "a compact delta part has blocks, and no other delta has")
+    if ("block_shapes" in values) != coded_in_blocks:
+        raise _malformed(source, "block_shapes", "a compact delta part has block shapes, and no other file has")
+    if coded_in_blocks:
+        if sorted(values["block_shapes"]) != sorted(shapes):
+            raise _malformed(source, "block_shapes", "does not list the same parameters as 'shapes'")
+        for name, shape in shapes.items():
+            block = Block(values["blocks"][name], values["block_shapes"][name])
+            if len(block.offset) != len(block.shape) or not block.fits(shape):
+                raise _malformed(source, "blocks", f"the block of {name!r} does not lie inside its shape {list(shape)}")
 
 
 def _dump_checksums(checksums: Mapping[str, int]) -> str:
@@ -503,6 +529,11 @@ class Delta(_ClosingFile):
     changes: dict[str, SparseChange]
     encoded: dict[str, torch.Tensor] | None = None
 
+    @property
+    def coded(self) -> bool:
+        """Whether the changes must first be decoded against the weights before the delta."""
+        return self.encoded is not None
+
     def decoded(self, previous: Mapping[str, torch.Tensor]) -> Delta:
         """The delta with its changes decoded against `previous` (the weights before it).
 
@@ -513,7 +544,9 @@ class Delta(_ClosingFile):
             return self
         from .compact import decode_changes
 
-        changes = decode_changes(self.encoded, previous, self.header.shapes, source=self.header.source)
+        # A part is coded in its blocks (`previous` then holds those blocks); a file, in whole tensors.
+        shapes = {name: self.header.block(name).shape for name in self.header.shapes}
+        changes = decode_changes(self.encoded, previous, shapes, source=self.header.source)
         total = sum(len(change) for change in changes.values())
         if total != self.header.changed_elements:
             raise FormatError(

@@ -18,6 +18,11 @@ update. The manifest is JSON:
 | `parts` | list of `{"path", "rank", "bytes", "payload_xxh3"}`, plus `"sha256"` of the file when signed |
 | `shapes`, `checksums`, `base_checksums` | of the parameters in the version, whole-model values |
 | `model_checksum`, `changed_elements`, `total_elements` | as in a single file's metadata |
+
+Parts of a raw delta hold positions in the full tensors. Parts of a compact delta are each
+coded in the rank's block of every parameter (metadata `blocks` and `block_shapes`), against
+that block of the weights before the delta: a replica cuts the same block out of the weights
+it holds to decode a part ([`PartedDelta`]).
 """
 
 from __future__ import annotations
@@ -32,12 +37,12 @@ from typing import Any, Literal
 import torch
 
 from .blocks import Block
-from .errors import FormatError, IntegrityError
-from .format import Anchor, Delta, FileHeader, SparseChange, _ClosingFile, read_file
+from .errors import ApplyError, FormatError, IntegrityError
+from .format import Anchor, Delta, FileHeader, SparseChange, _ClosingFile, index_dtype, read_file
 from .integrity import add_checksums, format_checksum, model_checksum, parse_checksum
 from .layout import parse_step_path
 
-__all__ = ["MANIFEST_FORMAT", "Manifest", "PartRecord", "PartedAnchor", "read_version"]
+__all__ = ["MANIFEST_FORMAT", "Manifest", "PartRecord", "PartedAnchor", "PartedDelta", "read_version"]
 
 MANIFEST_FORMAT = "delta-sync-manifest"
 MANIFEST_FORMAT_VERSION = "1"
@@ -281,8 +286,9 @@ def read_version(
         base_url: Prefix of part paths in error messages (the bucket's URL).
 
     Returns:
-        A [`Delta`] holding every part's changes, or an anchor whose tensors are put
-        together from the parts' blocks ([`PartedAnchor`]).
+        A [`Delta`] holding every part's changes (a [`PartedDelta`] to decode, for the
+        compact encoding), or an anchor whose tensors are put together from the parts'
+        blocks ([`PartedAnchor`]).
 
     Raises:
         FormatError: A part is missing, malformed, of another version or run, has another
@@ -298,7 +304,11 @@ def read_version(
             files.append(file)
             _check_part(manifest, record, file.header, source)
         if manifest.kind == "delta":
-            return Delta(header=_header(manifest, source), changes=_merge_changes(manifest, files, source))
+            header = _header(manifest, source)
+            if any(file.coded for file in files):
+                return PartedDelta(header=header, changes={}, parts=_check_disjoint(files, source))
+            changes = _merge_changes([file.changes for file in files], header)
+            return Delta(header=header, changes=changes)
         anchor = PartedAnchor(header=_header(manifest, source), parts=files)
         anchor.check_cover()
         files = []  # the anchor closes them now
@@ -330,13 +340,14 @@ def _check_part(manifest: Manifest, record: PartRecord, header: FileHeader, sour
             raise FormatError(f"{header.source}: parameter {name!r} is not in {source} with shape {list(shape)}")
 
 
-def _merge_changes(manifest: Manifest, parts: list[Delta], source: str) -> dict[str, SparseChange]:
+def _merge_changes(parts: Sequence[Mapping[str, SparseChange]], header: FileHeader) -> dict[str, SparseChange]:
     """Each parameter's changes from all parts, in ascending position; parts never overlap."""
+    source = header.source
     by_name: dict[str, list[SparseChange]] = {}
     for part in parts:
-        for name, change in part.changes.items():
+        for name, change in part.items():
             by_name.setdefault(name, []).append(change)
-    if sorted(by_name) != sorted(manifest.shapes):
+    if sorted(by_name) != sorted(header.shapes):
         raise FormatError(f"{source}: the parts change {sorted(by_name)[:5]}..., not the manifest's parameters")
     merged = {}
     for name, changes in by_name.items():
@@ -349,11 +360,78 @@ def _merge_changes(manifest: Manifest, parts: list[Delta], source: str) -> dict[
                 raise FormatError(f"{source}: two parts change the same element of {name!r}")
         merged[name] = SparseChange(indices=indices, values=values)
     total = sum(len(change) for change in merged.values())
-    if total != manifest.changed_elements:
+    if total != header.changed_elements:
         raise FormatError(
-            f"{source}: the parts hold {total} changed elements, the manifest says {manifest.changed_elements}"
+            f"{source}: the parts hold {total} changed elements, the manifest says {header.changed_elements}"
         )
     return merged
+
+
+def _check_disjoint(parts: list[Delta], source: str) -> list[Delta]:
+    """Compact parts, each coded in its own blocks: no two blocks of a parameter share an element."""
+    blocks: dict[str, list[Block]] = {}
+    for part in parts:
+        if not part.coded:
+            raise FormatError(f"{part.header.source}: a raw part in a version of compact parts ({source})")
+        for name in part.header.shapes:
+            block = part.header.block(name)
+            if any(block.overlaps(other) for other in blocks.get(name, [])):
+                raise FormatError(f"{source}: two parts are coded in overlapping blocks of {name!r}")
+            blocks.setdefault(name, []).append(block)
+    return parts
+
+
+@dataclass
+class PartedDelta(Delta):
+    """A compact delta written in parts, each coded in its rank's blocks; decoded, it is
+    applied like a single file.
+
+    Args:
+        header: The whole version's header (from the manifest).
+        changes: Empty until decoded.
+        parts: The compact delta parts, read and checked.
+    """
+
+    parts: list[Delta] = field(default_factory=list)
+
+    @property
+    def coded(self) -> bool:
+        return True
+
+    def decoded(self, previous: Mapping[str, torch.Tensor]) -> Delta:
+        """The version's changes: each part decoded against its blocks of `previous` (the
+        weights before the delta), at positions of the full tensors, merged.
+
+        Raises:
+            FormatError: A part's coded stream is damaged, or the parts disagree with the manifest.
+            ApplyError: `previous` lacks a parameter or holds it with another shape or dtype.
+        """
+        shapes = self.header.shapes
+        changes = []
+        for part in self.parts:
+            blocks = {name: part.header.block(name) for name in part.header.shapes}
+            held = {}
+            for name, block in blocks.items():
+                full = previous.get(name)
+                if full is None or tuple(full.shape) != shapes[name] or full.dtype != torch.bfloat16:
+                    raise ApplyError(
+                        f"{part.header.source}: the delta changes bfloat16 {name!r} of shape {list(shapes[name])}, "
+                        f"held as {None if full is None else (full.dtype, tuple(full.shape))}"
+                    )
+                held[name] = block.region(full if full.is_contiguous() else full.contiguous())
+            local = part.decoded(held)
+            changes.append(
+                {
+                    name: SparseChange(
+                        indices=blocks[name]
+                        .full_positions(shapes[name], change.indices)
+                        .to(index_dtype(math.prod(shapes[name]))),
+                        values=change.values,
+                    )
+                    for name, change in local.changes.items()
+                }
+            )
+        return Delta(header=self.header, changes=_merge_changes(changes, self.header))
 
 
 @dataclass

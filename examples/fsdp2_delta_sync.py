@@ -71,6 +71,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bucket", default="./deltas-fsdp2", help="local directory or bucket URL")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps (default: 10)")
     parser.add_argument("--anchor-every", type=int, default=5, help="full anchor every N versions (default: 5)")
+    parser.add_argument(
+        "--encoding",
+        choices=("raw", "compact"),
+        default="raw",
+        help="delta encoding: raw (TRL's int32 + bf16) or compact (each rank's blocks entropy-coded; default: raw)",
+    )
     parser.add_argument("--learning-rate", type=float, default=2e-5, help="AdamW learning rate (default: 2e-5)")
     parser.add_argument("--group", type=int, default=4, help="completions per prompt (default: 4)")
     parser.add_argument("--seed", type=int, default=0)
@@ -92,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     fully_shard(model, mp_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
 
-    sync = DeltaSyncCallback(bucket=args.bucket, anchor_every=args.anchor_every, overwrite=True)
+    sync = DeltaSyncCallback(bucket=args.bucket, anchor_every=args.anchor_every, encoding=args.encoding, overwrite=True)
     state = SimpleNamespace(global_step=0, is_world_process_zero=rank == 0, log_history=[])
     training_args = SimpleNamespace(use_vllm=False)
     sync.on_train_begin(training_args, state, None, model=model, optimizer=optimizer)

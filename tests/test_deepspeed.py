@@ -77,7 +77,9 @@ def test_zero3_partitions_offloaded_to_nvme_are_refused():
         describe_model([("w", zero3_parameter((2, 3), partition=6, location="nvme"))])
 
 
-def run(bucket: Path, ranks: int, stage: int, precision: str, passed: str, steps: int) -> list[dict]:
+def run(
+    bucket: Path, ranks: int, stage: int, precision: str, passed: str, steps: int, encoding: str = "raw"
+) -> list[dict]:
     results = torchrun(
         "deepspeed_publish.py",
         ranks,
@@ -93,6 +95,8 @@ def run(bucket: Path, ranks: int, stage: int, precision: str, passed: str, steps
         str(steps),
         "--anchor-every",
         "2",
+        "--encoding",
+        encoding,
     )
     results.sort(key=lambda result: result["rank"])
     assert len(results) == ranks
@@ -144,12 +148,18 @@ def test_zero3_every_rank_publishes_its_partition_and_a_receiver_replays_bit_exa
 
 @pytest.mark.slow
 @requires_deepspeed
-def test_zero3_on_3_ranks_with_fp32_partitions_and_empty_ones(tmp_path):
+@pytest.mark.parametrize("encoding", ["raw", "compact"])
+def test_zero3_on_3_ranks_with_fp32_partitions_and_empty_ones(tmp_path, encoding):
     # The 2-element q/k norms leave rank 2 an empty partition; fp32 partitions are published
-    # through their bf16 rounding.
-    from delta_sync import verify_bucket
+    # through their bf16 rounding. Compact parts are coded in each rank's flat range.
+    from delta_sync import read_file, verify_bucket
 
     bucket = tmp_path / "bucket"
-    results = run(bucket, 3, 3, "fp32", "engine", steps=3)
+    results = run(bucket, 3, 3, "fp32", "engine", steps=3, encoding=encoding)
     assert all(r["sharded"] for r in results) and trained(results)
+    assert any("/deltas/" in path for path in applied(results)), "no delta was exercised"
+    for path in bucket.glob("deltas/*/part_*.safetensors"):
+        header = read_file(path, part_of="test").header
+        assert header.encoding == encoding
+        assert all(len(shape) == 1 for shape in header.block_shapes.values())
     assert verify_bucket(str(bucket)).ok

@@ -98,6 +98,58 @@ def test_fsdp2_on_3_ranks_with_fp32_masters_and_an_empty_shard(tmp_path):
     assert verify_bucket(str(bucket)).ok
 
 
+@pytest.mark.slow
+def test_fsdp2_compact_parts_are_coded_in_each_ranks_blocks_and_replay_bit_exactly(tmp_path):
+    # 3 ranks, fp32 masters, and q/k norms of 2 elements that leave one rank an empty shard.
+    # The script checks a Receiver against the full weights after every version.
+    bucket = tmp_path / "bucket"
+    results = torchrun(
+        "fsdp2_publish.py", 3, "--bucket", str(bucket), "--steps", "4", "--anchor-every", "3",
+        "--fp32-masters", "--encoding", "compact",
+    )  # fmt: skip
+    applied = [path for version in results[0]["versions"] for path in version["applied"]]
+    assert any("/deltas/" in path for path in applied), "no delta was exercised"
+    import torch
+
+    from delta_sync import Receiver, read_file, verify_bucket
+
+    # Every delta part is compact and coded in its rank's own row blocks.
+    for path in bucket.glob("deltas/*/part_*.safetensors"):
+        header = read_file(path, part_of="test").header
+        assert header.encoding == "compact"
+        assert all(
+            header.block_shapes[name][0] < header.shapes[name][0]
+            for name in header.shapes
+            if name.endswith("proj.weight")
+        )
+    # Decoded, a version of parts names exactly the elements that changed, as a raw delta would.
+    shown = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "delta_sync.cli",
+            "inspect",
+            "--decode",
+            str(bucket / "deltas/step_00000003.manifest.json"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert shown.returncode == 0, shown.stderr
+    decoded = {row["name"]: row["indices"] for row in map(json.loads, shown.stdout.splitlines())}
+    before, after = Receiver(), Receiver()
+    for receiver, version in ((before, 2), (after, 3)):
+        receiver.update(str(bucket), "anchors/step_00000001.manifest.json")
+        for step in range(2, version + 1):
+            receiver.update(str(bucket), f"deltas/step_{step:08d}.manifest.json")
+    changed = {
+        name: (before.weights[name].view(torch.int16) != after.weights[name].view(torch.int16)).reshape(-1)
+        for name in after.weights
+    }
+    assert decoded == {name: mask.nonzero().squeeze(1).tolist() for name, mask in changed.items() if mask.any()}
+    assert verify_bucket(str(bucket)).ok
+
+
 def _replica_at(bucket: Path, version: int):
     from delta_sync import Receiver
 
@@ -156,15 +208,17 @@ def test_fsdp2_example_runs_as_documented(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(example)]
     bucket = tmp_path / "deltas"
     result = subprocess.run(
-        [*command, "--bucket", str(bucket), "--steps", "3", "--anchor-every", "2"],
+        [*command, "--bucket", str(bucket), "--steps", "3", "--anchor-every", "2", "--encoding", "compact"],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
     assert "replica bit-exact                  yes" in result.stdout
-    from delta_sync import verify_bucket
+    from delta_sync import read_file, verify_bucket
 
+    (part, *_) = sorted(bucket.glob("deltas/*/part_*.safetensors"))
+    assert read_file(part, part_of="test").header.encoding == "compact"
     assert verify_bucket(str(bucket)).ok
 
 

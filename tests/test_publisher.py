@@ -233,17 +233,3 @@ def test_an_anchor_is_written_once_the_deltas_outweigh_the_last_one(tmp_path):
         # A replica joining at any version downloads at most one anchor plus half an anchor
         # of deltas, plus the one delta that crossed the line.
         assert report.catch_up_bytes <= anchor_size * 1.5 + report.delta_bytes + 1024
-
-
-def test_the_compact_encoding_is_refused_for_a_sharded_model_before_anything_is_written(tmp_path):
-    """Compact codes span whole tensors, which no rank of a sharded model holds. The layout
-    is made sharded by hand here (a real one needs torchrun); the refusal comes first."""
-    import dataclasses
-
-    model = TwoTower()
-    detector = BF16ChangeDetector(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    detector.layout = dataclasses.replace(detector.layout, sharded=True, world_size=2)
-    with pytest.raises(ValueError, match="compact encoding is not available for sharded models"):
-        Publisher(tmp_path / "bucket", detector, encoding="compact", background=False)
-    assert not (tmp_path / "bucket").exists() or not any((tmp_path / "bucket").iterdir())
-    detector.close()

@@ -68,6 +68,10 @@ class ChangeSet:
             (CPU), aligned with `changes[name].indices`.
         steps: Optimizer steps taken since the previous call.
         total_elements: Elements in all tracked parameters.
+        shapes: Parameter name -> shape of the full (checkpoint) tensor.
+        local_indices: For parameters this rank holds a block of (sharded models), the
+            changed elements' flat positions inside the block, aligned with
+            `changes[name].indices` (which are positions in the full tensor).
     """
 
     changes: dict[str, SparseChange]
@@ -75,6 +79,7 @@ class ChangeSet:
     steps: int
     total_elements: int
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    local_indices: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def changed_elements(self) -> int:
@@ -277,21 +282,24 @@ class BF16ChangeDetector:
         with self.snapshot_lock:
             names = sorted(self._touched)
             extracted = parallel_map(self._extract, names)
-            changes = {name: change for name, (change, _) in zip(names, extracted) if change is not None}
-            old_values = {name: old for name, (_, old) in zip(names, extracted) if old is not None}
+            changes = {name: change for name, (change, _, _) in zip(names, extracted) if change is not None}
+            old_values = {name: old for name, (_, old, _) in zip(names, extracted) if old is not None}
+            local_indices = {name: local for name, (_, _, local) in zip(names, extracted) if local is not None}
             change_set = ChangeSet(
                 changes=changes,
                 old_values=old_values,
                 steps=self._steps,
                 total_elements=self.total_elements,
                 shapes=dict(self.layout.shapes),
+                local_indices=local_indices,
             )
             self._touched.clear()
             self._steps = 0
             return change_set
 
-    def _extract(self, name: str) -> tuple[SparseChange | None, torch.Tensor | None]:
-        """Changed elements of one parameter; advances its snapshot."""
+    def _extract(self, name: str) -> tuple[SparseChange | None, torch.Tensor | None, torch.Tensor | None]:
+        """Changed elements of one parameter, their old values and (for a block of a
+        sharded parameter) their positions in the block; advances its snapshot."""
         snap = self._snapshot[name]
         shard = self._shards[name]
         dtype = index_dtype(math.prod(shard.global_shape))
@@ -305,9 +313,11 @@ class BF16ChangeDetector:
             scatter_(snap, local, values)
         local, values, old = found
         if local.numel() == 0:
-            return None, None
-        indices = local.cpu() if shard.whole else shard.global_indices(local.cpu()).to(dtype)
-        return SparseChange(indices=indices.to(dtype), values=values.cpu()), old.cpu()
+            return None, None, None
+        if shard.whole:
+            return SparseChange(indices=local.cpu().to(dtype), values=values.cpu()), old.cpu(), None
+        indices = shard.global_indices(local.cpu()).to(dtype)
+        return SparseChange(indices=indices, values=values.cpu()), old.cpu(), local.cpu()
 
     def close(self) -> None:
         """Remove the optimizer hooks and drop the snapshot."""

@@ -12,13 +12,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from ..errors import DeltaSyncError, PublishError, UnsupportedLayoutError
-from ..format import FileHeader, read_file, write_anchor, write_delta
+from ..format import FileHeader, SparseChange, read_file, write_anchor, write_delta
 from ..integrity import add_checksums, model_checksum, tensor_checksum, updated_checksum
 from ..layout import (
     LATEST,
@@ -219,11 +219,6 @@ class Publisher:
         self.layout = detector.layout
         #: Whether versions are written as one part per rank plus a manifest.
         self.parted = self.layout.sharded
-        if self.parted and encoding != "raw":
-            raise ValueError(
-                "the compact encoding is not available for sharded models yet (its codes span whole tensors); "
-                "use encoding='raw'"
-            )
         self._ranks = RankGroup(self.layout.world_size if self.parted else 1)
         self.rank = self._ranks.rank
         self.run_id = run_id or uuid.uuid4().hex[:12]
@@ -612,7 +607,7 @@ class Publisher:
             anchor_version=self._anchor_version,
             run_id=self.run_id,
             epoch=self.epoch,
-            encoding="raw" if kind == "delta" else "dense",
+            encoding=self.encoding if kind == "delta" else "dense",
             world_size=self.layout.world_size,
             parts=tuple(parts),
             shapes={name: self.layout.shapes[name] for name in names},
@@ -673,11 +668,25 @@ class Publisher:
             part=self._part(),
         )
         # A compact delta is coded against the weights before the change: the snapshot (now
-        # advanced) read through the old values of the changed elements, with no copy.
-        previous = self.detector.snapshot if self.encoding == "compact" else None
+        # advanced) read through the old values of the changed elements, with no copy. A
+        # part is coded in this rank's blocks, against its own snapshot of them: the same
+        # values a replica cuts out of the full tensors it holds.
+        changes, previous = change_set.changes, None
+        if self.encoding == "compact":
+            previous = self.detector.snapshot
+            if self.parted:
+                shards = self.layout.shards
+                changes = {
+                    name: SparseChange(change_set.local_indices.get(name, change.indices), change.values)
+                    for name, change in changes.items()
+                }
+                header = replace(
+                    header,
+                    blocks={name: shards[name].block.offset for name in changes},
+                    block_shapes={name: shards[name].block.shape for name in changes},
+                )
         return self._write_and_upload(
-            path,
-            lambda dest: write_delta(dest, change_set.changes, header, previous, old_values=change_set.old_values),
+            path, lambda dest: write_delta(dest, changes, header, previous, old_values=change_set.old_values)
         )
 
     def _store_anchor(self, version: int, *, check_chain: bool) -> _Stored | None:

@@ -105,6 +105,7 @@ def main() -> None:
     parser.add_argument("--pass", dest="passed", choices=["trainer", "engine"], default="trainer")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--anchor-every", type=int, default=2)
+    parser.add_argument("--encoding", choices=["raw", "compact"], default="raw")
     args = parser.parse_args()
     # DeepSpeed's shared-memory all-reduce for CPUs is compiled on first use (minutes);
     # gloo does the same job.
@@ -129,7 +130,9 @@ def main() -> None:
         engine, passed_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         passed_model = engine
     assert isinstance(engine, deepspeed.DeepSpeedEngine), type(engine)
-    callback = DeltaSyncCallback(bucket=args.bucket, anchor_every=args.anchor_every, background=False)
+    callback = DeltaSyncCallback(
+        bucket=args.bucket, anchor_every=args.anchor_every, background=False, encoding=args.encoding
+    )
     state = SimpleNamespace(global_step=0, is_world_process_zero=rank == 0, log_history=[])
     training_args = SimpleNamespace(use_vllm=False)
     expected = full_bf16(engine.module, args.stage)

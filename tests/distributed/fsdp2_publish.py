@@ -76,6 +76,7 @@ def main() -> None:
     parser.add_argument("--bucket", required=True)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--anchor-every", type=int, default=2)
+    parser.add_argument("--encoding", choices=["raw", "compact"], default="raw")
     parser.add_argument("--fp32-masters", action="store_true", help="fp32 sharded masters, bf16 published")
     parser.add_argument("--model-dir", help="train this checkpoint instead of a random model")
     args = parser.parse_args()
@@ -83,7 +84,9 @@ def main() -> None:
     rank = dist.get_rank()
     model = build_model(args.fp32_masters, args.model_dir)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    callback = DeltaSyncCallback(bucket=args.bucket, anchor_every=args.anchor_every, background=False)
+    callback = DeltaSyncCallback(
+        bucket=args.bucket, anchor_every=args.anchor_every, background=False, encoding=args.encoding
+    )
     state = SimpleNamespace(global_step=0, is_world_process_zero=rank == 0, log_history=[])
     training_args = SimpleNamespace(use_vllm=False)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
