@@ -496,9 +496,10 @@ def _select(bits, group_of, ranks, starts, ends):
 
     `ranks[starts[g]:ends[g]]` are group `g`'s, ascending and each below its size. Returns
     `(positions, sources)`: the positions found, ascending, and for each the index into
-    `ranks` it answers (fewer only if a rank is out of range).
+    `ranks` it answers (fewer only if a rank is out of range). Members are counted with
+    one-byte counters packed in a 64-bit word, per block of 255 elements; an element is
+    found when its group's counter reaches the rank wanted next in that group.
     """
-    increments = _increments(group_of)
     groups = starts.size
     positions = np.empty(ranks.size, np.int64)
     sources = np.empty(ranks.size, np.int64)
@@ -507,28 +508,27 @@ def _select(bits, group_of, ranks, starts, ends):
     wanted = np.empty(groups, np.int64)
     for group in range(groups):
         wanted[group] = ranks[following[group]] if following[group] < ends[group] else unreachable
+    shifts = np.empty(256, np.uint64)  # per exponent, the bit offset of its group's counter
+    for exponent in range(256):
+        shifts[exponent] = np.uint64(8 * group_of[exponent])
     counts = np.zeros(groups, np.int64)
-    before = np.empty(255, np.uint64)
+    wanted_here = np.empty(groups, np.int64)  # the rank wanted next, counted from the block's start
     found = 0
     for block in range(0, bits.size, 255):
-        end = min(bits.size, block + 255)
-        packed = np.uint64(0)
-        for k in range(block, end):
-            before[k - block] = packed
-            packed += increments[(bits[k] >> 7) & 0xFF]
-        inside = False
         for group in range(groups):
-            inside |= wanted[group] < counts[group] + np.int64((packed >> np.uint64(8 * group)) & np.uint64(0xFF))
-        if inside:
-            for k in range(block, end):
-                group = group_of[(bits[k] >> 7) & 0xFF]
-                rank = counts[group] + np.int64((before[k - block] >> np.uint64(8 * group)) & np.uint64(0xFF))
-                if rank == wanted[group]:
-                    positions[found] = k
-                    sources[found] = following[group]
-                    found += 1
-                    following[group] += 1
-                    wanted[group] = ranks[following[group]] if following[group] < ends[group] else unreachable
+            wanted_here[group] = wanted[group] - counts[group]
+        packed = np.uint64(0)
+        for k in range(block, min(bits.size, block + 255)):
+            shift = shifts[(bits[k] >> 7) & 0xFF]
+            group = shift >> np.uint64(3)
+            if np.int64((packed >> shift) & np.uint64(0xFF)) == wanted_here[group]:
+                positions[found] = k
+                sources[found] = following[group]
+                found += 1
+                following[group] += 1
+                wanted[group] = ranks[following[group]] if following[group] < ends[group] else unreachable
+                wanted_here[group] = wanted[group] - counts[group]
+            packed += np.uint64(1) << shift
         for group in range(groups):
             counts[group] += np.int64((packed >> np.uint64(8 * group)) & np.uint64(0xFF))
     return positions[:found], sources[:found]
