@@ -21,7 +21,7 @@ Both carry further metadata (all values are strings, as safetensors requires):
 | `model_version` | version the weights have after this file is applied |
 | `base_version` | (delta) version the delta applies on top of |
 | `anchor_version` | version of the newest anchor at or before `base_version` (anchor: its own) |
-| `encoding` | `"dense"` for anchors, `"raw"` for raw deltas |
+| `encoding` | `"dense"` for anchors, `"raw"` or `"compact"` (see `delta_sync.compact`) for deltas |
 | `run_id` | identifier of the training run; deltas never cross runs |
 | `epoch` | identifies one start of the publisher (a resumed run gets a new one) |
 | `part`, `blocks` | (parts of a sharded version) `rank/world_size`; the offset of each parameter's block in an anchor part or a compact delta part |
@@ -110,7 +110,7 @@ class FileHeader:
         version: Model version after the file is applied.
         base_version: Version a delta applies on top of; None for anchors.
         anchor_version: Version of the anchor this file descends from (an anchor's own version).
-        encoding: `"dense"` (anchors) or `"raw"` (raw deltas).
+        encoding: `"dense"` (anchors), `"raw"` or `"compact"` (deltas).
         run_id: Identifier of the training run that wrote the file.
         shapes: Shape of every parameter present in the file.
         checksums: State checksum of every parameter present in the file, after applying.
