@@ -261,12 +261,13 @@ def test_replica_set_updates_live_replicas_and_reports_dead_ones(vllm_server, tr
         replicas.close()
 
 
-def test_server_follows_a_bucket_written_by_two_fsdp2_ranks(vllm_server, served_model, bucket_root):
+@pytest.mark.parametrize("encoding", ["raw", "compact"])
+def test_server_follows_a_bucket_written_by_two_fsdp2_ranks(vllm_server, served_model, bucket_root, encoding):
     from test_distributed import torchrun
 
-    bucket = bucket_root / "fsdp2"
+    bucket = bucket_root / f"fsdp2-{encoding}"
     args = ["--bucket", str(bucket), "--steps", "3", "--anchor-every", "2", "--model-dir", str(served_model)]
-    results = torchrun("fsdp2_publish.py", 2, *args, "--fp32-masters")
+    results = torchrun("fsdp2_publish.py", 2, *args, "--fp32-masters", "--encoding", encoding)
     response = vllm_server.update(bucket.as_uri())  # catch up: anchor parts v1, then delta parts v2, v3
     assert response.status_code == 200, response.text
     status = vllm_server.status()
