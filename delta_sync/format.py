@@ -393,7 +393,7 @@ def _check_consistency(kind: str, values: Mapping[str, Any], source: str) -> Non
             raise _malformed(source, "block_shapes", "does not list the same parameters as 'shapes'")
         for name, shape in shapes.items():
             block = Block(values["blocks"][name], values["block_shapes"][name])
-            if len(block.offset) != len(block.shape) or not block.fits(shape):
+            if not block.fits(shape):
                 raise _malformed(source, "blocks", f"the block of {name!r} does not lie inside its shape {list(shape)}")
 
 

@@ -305,7 +305,7 @@ def read_version(
             _check_part(manifest, record, file.header, source)
         if manifest.kind == "delta":
             header = _header(manifest, source)
-            if any(file.coded for file in files):
+            if manifest.encoding == "compact":
                 return PartedDelta(header=header, changes={}, parts=_check_disjoint(files, source))
             changes = _merge_changes([file.changes for file in files], header)
             return Delta(header=header, changes=changes)
@@ -368,11 +368,10 @@ def _merge_changes(parts: Sequence[Mapping[str, SparseChange]], header: FileHead
 
 
 def _check_disjoint(parts: list[Delta], source: str) -> list[Delta]:
-    """Compact parts, each coded in its own blocks: no two blocks of a parameter share an element."""
+    """Compact parts (`_check_part` saw their encoding), each coded in its own blocks: no two
+    blocks of a parameter share an element."""
     blocks: dict[str, list[Block]] = {}
     for part in parts:
-        if not part.coded:
-            raise FormatError(f"{part.header.source}: a raw part in a version of compact parts ({source})")
         for name in part.header.shapes:
             block = part.header.block(name)
             if any(block.overlaps(other) for other in blocks.get(name, [])):

@@ -282,9 +282,13 @@ class BF16ChangeDetector:
         with self.snapshot_lock:
             names = sorted(self._touched)
             extracted = parallel_map(self._extract, names)
-            changes = {name: change for name, (change, _, _) in zip(names, extracted) if change is not None}
-            old_values = {name: old for name, (_, old, _) in zip(names, extracted) if old is not None}
-            local_indices = {name: local for name, (_, _, local) in zip(names, extracted) if local is not None}
+            changes, old_values, local_indices = {}, {}, {}
+            for name, (change, old, local) in zip(names, extracted):
+                if change is None:
+                    continue
+                changes[name], old_values[name] = change, old
+                if local is not None:
+                    local_indices[name] = local
             change_set = ChangeSet(
                 changes=changes,
                 old_values=old_values,
