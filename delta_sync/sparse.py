@@ -6,10 +6,10 @@ tensors (both single pass, no TensorIterator set-up per call). Other devices use
 
 [`extract_changes_`] is the trainer's hot path: it compares the current weights with the
 snapshot, lists the changed elements with their old and new values, and advances the
-snapshot at those positions only. For fp32 weights that is one compiled pass (numba) that
-rounds to bf16 on the fly, with no bf16 copy of the tensor; numba loads it from its
-on-disk cache on first use in a process (about a second; compiling it the very first time
-takes a few).
+snapshot at those positions only, in one compiled pass (numba) with no full-size
+temporary: bf16 weights are compared 16 elements (four 64-bit words) at a time, fp32
+weights are rounded to bf16 on the fly. numba loads the passes from its on-disk cache on
+first use in a process (about a second; compiling them the very first time takes a few).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
+from numba.cpython.unsafe.numbers import trailing_zeros
 
 __all__ = ["changed_positions", "extract_changes_", "gather", "scatter_"]
 
@@ -57,8 +58,8 @@ def extract_changes_(
     `snapshot`; advances the snapshot to the new values at those positions only.
 
     `current` (bf16, or fp32 rounded as `tensor.to(torch.bfloat16)` rounds it) is read
-    once, the snapshot once, and only changed positions are written; fp32 goes through one
-    compiled pass with no bf16 copy of the tensor.
+    once, the snapshot once, and only changed positions are written, in one compiled pass
+    with no bf16 copy of the tensor.
 
     Args:
         current: The weights now: a contiguous CPU tensor, bf16 or fp32.
@@ -81,18 +82,19 @@ def extract_changes_(
     snap = snapshot.view(-1).view(torch.int16).numpy()
     position_dtype = np.int32 if index_dtype == torch.int32 else np.int64
     if current.dtype == torch.bfloat16:
-        # bf16 against bf16: numpy's vectorised compare and `flatnonzero` measured faster
-        # than the compiled pass (which pays off where it saves the fp32 -> bf16 copy).
         cur = current.view(-1).view(torch.int16).numpy()
-        positions = np.flatnonzero(cur != snap)
-        new, old = cur[positions], snap[positions]
-        snap[positions] = new
-        return (
-            torch.from_numpy(positions.astype(position_dtype, copy=False)),
-            torch.from_numpy(new).view(torch.bfloat16),
-            torch.from_numpy(old).view(torch.bfloat16),
-        )
-    cur = current.view(-1).view(torch.int32).numpy()
+        # Whole groups of 16 elements, also read as four 64-bit words each.
+        whole = numel - numel % _GROUP
+        words = (cur[:whole].view(np.uint64), snap[:whole].view(np.uint64))
+
+        def extract(start, positions, new, old):
+            return _extract_bf16(cur, snap, *words, start, positions, new, old)
+    else:
+        cur = current.view(-1).view(torch.int32).numpy()
+
+        def extract(start, positions, new, old):
+            return _extract(cur, snap, start, positions, new, old, _NAN_BF16)
+
     # Changes are usually a few percent: start there and grow (a full-size buffer would be
     # a second copy of the model).
     capacity = max(_CHUNK, numel // 16)
@@ -100,7 +102,7 @@ def extract_changes_(
     while True:
         positions = np.empty(capacity, position_dtype)
         new, old = np.empty(capacity, np.int16), np.empty(capacity, np.int16)
-        count, start = _extract(cur, snap, start, positions, new, old, _NAN_BF16)
+        count, start = extract(start, positions, new, old)
         chunks.append((positions[:count], new[:count], old[:count]))
         if start >= numel:
             break
@@ -144,6 +146,8 @@ def _fast_path(current: torch.Tensor, snapshot: torch.Tensor) -> bool:
 _NAN_BF16 = _torch_nan_bits()
 # Elements compared per chunk: their differences form one 64-bit mask.
 _CHUNK = 64
+# bf16 elements compared per group: four 64-bit words.
+_GROUP = 16
 # Position of the lowest set bit of `bit`, from the top 6 bits of `bit * _DE_BRUIJN`.
 _DE_BRUIJN = np.uint64(0x03F79D71B4CB0A89)
 _LOWEST_BIT = np.zeros(64, np.int64)
@@ -197,3 +201,57 @@ def _extract(current, snapshot, start, positions, new, old, nan_bits):
             mask &= mask - np.uint64(1)
         chunk += size
     return count, chunk
+
+
+@numba.njit(nogil=True, cache=True)
+def _extract_bf16(current, snapshot, current_words, snapshot_words, start, positions, new, old):
+    """`_extract` for bf16 weights: compare from `start` (a multiple of 16), 16 elements at a
+    time, until the end or until the buffers could overflow; record and apply the changes.
+
+    `current_words` and `snapshot_words` are the whole groups of 16 elements read as 64-bit
+    words: a group whose four words are equal (most of them) costs four XORs and one
+    branch; only the others are compared element by element, and only their changed
+    elements are visited, by the set bits of a 16-bit mask.
+    """
+    numel = snapshot.size
+    capacity = positions.size
+    count = 0
+    start_word = start >> 2
+    words = current_words.size
+    while start_word < words:
+        # As many groups as the buffers hold even if every element changed.
+        end_word = min(words, start_word + 4 * ((capacity - count) // _GROUP))
+        if end_word == start_word:
+            return count, 4 * start_word
+        for word in range(start_word, end_word, 4):
+            differs = current_words[word] ^ snapshot_words[word]
+            differs |= current_words[word + 1] ^ snapshot_words[word + 1]
+            differs |= current_words[word + 2] ^ snapshot_words[word + 2]
+            differs |= current_words[word + 3] ^ snapshot_words[word + 3]
+            if differs:
+                group = 4 * word
+                mask = np.uint32(0)
+                for k in range(_GROUP):
+                    mask |= np.uint32(current[group + k] != snapshot[group + k]) << np.uint32(k)
+                while mask:
+                    _record(current, snapshot, group + trailing_zeros(mask), positions, new, old, count)
+                    count += 1
+                    mask &= mask - np.uint32(1)
+        start_word = end_word
+    if count + _GROUP > capacity:
+        return count, 4 * words
+    for i in range(4 * words, numel):  # the last elements, fewer than a group
+        if current[i] != snapshot[i]:
+            _record(current, snapshot, i, positions, new, old, count)
+            count += 1
+    return count, numel
+
+
+@numba.njit(inline="always")
+def _record(current, snapshot, i, positions, new, old, count):
+    """Record the change of bf16 element `i` as the `count`-th, and apply it to the snapshot."""
+    value = current[i]
+    positions[count] = i
+    new[count] = value
+    old[count] = snapshot[i]
+    snapshot[i] = value

@@ -204,6 +204,18 @@ def test_round_trip_in_many_groups(rates):
     assert stream[1] > 2, "changes whose rate follows the exponent are coded in several groups"
 
 
+@pytest.mark.parametrize("offset", [1, 3])
+def test_round_trip_from_a_view_that_starts_mid_word(offset):
+    """The rank pass reads the previous tensor four elements (one 64-bit word) at a time: a
+    tensor that starts at any element of its storage, and ends inside a word, codes the same."""
+    generator = torch.Generator().manual_seed(offset)
+    storage = (torch.randn(400_003 + offset, generator=generator) * 0.02).to(torch.bfloat16)
+    previous = storage[offset : offset + 400_001]
+    change = exponent_rate_change(generator, previous, {0: 0.97, 113: 0.3, 115: 0.02, 117: 0.0})
+    round_trip({"w": change}, {"w": previous})
+    assert encode_changes({"w": change}, {"w": previous})["w" + SUFFIX][1] > 2
+
+
 def test_round_trip_with_exponents_far_apart():
     # Magnitudes spread over a few exponents only, with nothing in between.
     generator = torch.Generator().manual_seed(4)

@@ -85,3 +85,23 @@ def test_other_layouts_are_left_to_torch():
     assert extract_changes_(torch.ones(4, 4), snapshot.float()) is None  # snapshot not bf16
     assert extract_changes_(torch.ones(8), snapshot) is None  # sizes differ
     assert not bits(snapshot).any(), "nothing advanced"
+
+
+@pytest.mark.parametrize("offset", [1, 2, 3])
+def test_bf16_views_that_start_mid_word_are_compared_exactly(offset):
+    """The bf16 pass reads whole groups as 64-bit words: a view whose data starts at any
+    element (a parameter carved out of a flat buffer) must give the same result."""
+    generator = torch.Generator().manual_seed(offset)
+    flat = weights(4099, generator, special=True).to(torch.bfloat16)
+    current = flat[offset:]
+    snapshot = current.clone()
+    moved = (torch.rand(current.numel(), generator=generator) < 0.05).nonzero().squeeze(1)
+    current.view(torch.int16)[moved] += 1
+    base = torch.empty(snapshot.numel() + offset, dtype=torch.bfloat16)
+    advanced = base[offset:]
+    advanced.copy_(snapshot)
+    positions, new, old = extract_changes_(current, advanced)
+    assert torch.equal(positions, moved)
+    assert torch.equal(bits(new), bits(current)[moved])
+    assert torch.equal(bits(old), bits(snapshot)[moved])
+    assert torch.equal(bits(advanced), bits(current))
