@@ -95,6 +95,11 @@ _CHUNK_BITS = 16
 # Words (of four elements) per block of the encoder's rank pass: its one-byte counters
 # then count at most 240 elements.
 _RANK_BLOCK = 60
+# Words per block of the decoder's select pass: its one-byte counters stay below 128, so that
+# bytes compare by one subtraction; `_NEVER` is a count no block reaches.
+_SELECT_BLOCK = 31
+_NEVER = 127
+_BYTE_TOPS = np.uint64(0x8080808080808080)
 # Tensors smaller than this, or with fewer changes, use a single group: the side
 # information of more would not pay for itself.
 _MIN_GROUPED_NUMEL = 4096
@@ -516,7 +521,9 @@ def _decode_groups(
     if len(ranks) == 1:
         return ranks[0], zigzags[0]
     ends = np.cumsum([r.size for r in ranks])
-    positions, sources = _select(prev_bits, group_of, np.concatenate(ranks), ends - [r.size for r in ranks], ends)
+    positions, sources = _select(
+        prev_bits, _words(prev_bits), group_of, np.concatenate(ranks), ends - [r.size for r in ranks], ends
+    )
     if positions.size != ends[-1]:  # cannot happen: every rank was checked against its group's size
         raise FormatError("decoded positions fall outside their groups; the stream is damaged")
     return positions, np.concatenate(zigzags)[sources]
@@ -540,14 +547,20 @@ def _group_counts(bits, words, group_of, groups):
 
 
 @numba.njit(nogil=True, cache=True)
-def _select(bits, group_of, ranks, starts, ends):
+def _select(bits, words, group_of, ranks, starts, ends):
     """Positions of the members of each group with the given ranks, in one pass, ascending.
 
-    `ranks[starts[g]:ends[g]]` are group `g`'s, ascending and each below its size. Returns
-    `(positions, sources)`: the positions found, ascending, and for each the index into
-    `ranks` it answers (fewer only if a rank is out of range). Members are counted with
-    one-byte counters packed in a 64-bit word, per block of 255 elements; an element is
-    found when its group's counter reaches the rank wanted next in that group.
+    `ranks[starts[g]:ends[g]]` are group `g`'s, ascending and each below its size; `words`
+    are the first `4 * words.size` elements of `bits` as 64-bit words. Returns `(positions,
+    sources)`: the positions found, ascending, and for each the index into `ranks` it
+    answers (fewer only if a rank is out of range).
+
+    Members are counted with one-byte counters packed in a 64-bit word, a word of four
+    elements at a time, in blocks of 31 words (so that no counter passes 127). The rank
+    each group wants next, counted from the block's start, is packed the same way (127
+    where it lies beyond the block), so that one subtraction tells whether any group
+    reaches its wanted rank within a word: only those words (about one per change) are
+    looked at element by element.
     """
     groups = starts.size
     positions = np.empty(ranks.size, np.int64)
@@ -557,30 +570,55 @@ def _select(bits, group_of, ranks, starts, ends):
     wanted = np.empty(groups, np.int64)
     for group in range(groups):
         wanted[group] = ranks[following[group]] if following[group] < ends[group] else unreachable
-    shifts = np.empty(256, np.uint64)  # per exponent, the bit offset of its group's counter
-    for exponent in range(256):
-        shifts[exponent] = np.uint64(8 * group_of[exponent])
-    counts = np.zeros(groups, np.int64)
-    wanted_here = np.empty(groups, np.int64)  # the rank wanted next, counted from the block's start
+    increments = _increments(group_of)
+    counts = np.zeros(groups, np.int64)  # members before the block
     found = 0
-    for block in range(0, bits.size, 255):
+    for block in range(0, words.size, _SELECT_BLOCK):
+        limits = np.uint64(0)
         for group in range(groups):
-            wanted_here[group] = wanted[group] - counts[group]
+            limits |= _limit(wanted[group] - counts[group]) << np.uint64(8 * group)
+        for group in range(groups, 8):
+            limits |= np.uint64(_NEVER) << np.uint64(8 * group)
         packed = np.uint64(0)
-        for k in range(block, min(bits.size, block + 255)):
-            shift = shifts[(bits[k] >> 7) & 0xFF]
-            group = shift >> np.uint64(3)
-            if np.int64((packed >> shift) & np.uint64(0xFF)) == wanted_here[group]:
-                positions[found] = k
-                sources[found] = following[group]
-                found += 1
-                following[group] += 1
-                wanted[group] = ranks[following[group]] if following[group] < ends[group] else unreachable
-                wanted_here[group] = wanted[group] - counts[group]
-            packed += np.uint64(1) << shift
+        for w in range(block, min(words.size, block + _SELECT_BLOCK)):
+            word = words[w]
+            after = packed + _word_increments(increments, word)
+            # A byte of `limits | 0x80..` less `after` loses its top bit where the group's
+            # count passes its wanted rank.
+            if ((limits | _BYTE_TOPS) - after) & _BYTE_TOPS == _BYTE_TOPS:
+                packed = after
+                continue
+            for lane in range(4):
+                exponent = (word >> np.uint64(16 * lane + 7)) & np.uint64(0xFF)
+                group = group_of[exponent]
+                if counts[group] + np.int64((packed >> np.uint64(8 * group)) & np.uint64(0xFF)) == wanted[group]:
+                    positions[found] = 4 * w + lane
+                    sources[found] = following[group]
+                    found += 1
+                    following[group] += 1
+                    wanted[group] = ranks[following[group]] if following[group] < ends[group] else unreachable
+                    limits &= ~(np.uint64(0xFF) << np.uint64(8 * group))
+                    limits |= _limit(wanted[group] - counts[group]) << np.uint64(8 * group)
+                packed += increments[exponent]
         for group in range(groups):
             counts[group] += np.int64((packed >> np.uint64(8 * group)) & np.uint64(0xFF))
+    for i in range(4 * words.size, bits.size):  # the last elements, fewer than a word
+        group = group_of[(bits[i] >> 7) & 0xFF]
+        if counts[group] == wanted[group]:
+            positions[found] = i
+            sources[found] = following[group]
+            found += 1
+            following[group] += 1
+            wanted[group] = ranks[following[group]] if following[group] < ends[group] else unreachable
+        counts[group] += 1
     return positions[:found], sources[:found]
+
+
+@numba.njit(inline="always")
+def _limit(wanted_here):
+    """A wanted rank counted from a block's start, as a byte of the packed limits: `_NEVER`
+    where the block cannot reach it."""
+    return np.uint64(wanted_here) if 0 <= wanted_here < _NEVER else np.uint64(_NEVER)
 
 
 @numba.njit(inline="always")
