@@ -95,6 +95,8 @@ _CHUNK_BITS = 16
 # Words (of four elements) per block of the encoder's rank pass: its one-byte counters
 # then count at most 240 elements.
 _RANK_BLOCK = 60
+# The lanes of a word before lane 0, 1, 2, 3.
+_LANES_BELOW = np.array([0, 0xFFFF, 0xFFFF_FFFF, 0xFFFF_FFFF_FFFF], np.uint64)
 # Words per block of the decoder's select pass: its one-byte counters stay below 128, so that
 # bytes compare by one subtraction; `_NEVER` is a count no block reaches.
 _SELECT_BLOCK = 31
@@ -420,15 +422,15 @@ def _rank_changes(bits, words, group_of, indices, old_bits, classes, zigzag, cha
         # the packed counts are exact integers, so the corrections add up field by field.
         correction = np.uint64(0)
         while j < indices.size and indices[j] < 4 * end:
-            i = np.int64(indices[j])
-            word = words[i >> 2]
-            lane = i & 3
-            # The members before it in its word, without a branch on its lane.
+            i = np.uint64(indices[j])  # unsigned: indexing skips the negative-index check
+            lane = i & np.uint64(3)
+            # The members before it in its word: the word with its later lanes zeroed, less
+            # the zeroed lanes (counted as exponent 0).
+            below = words[i >> np.uint64(2)] & _LANES_BELOW[lane]
             partial = (
-                before[(i >> 2) - block]
-                + increments[(word >> np.uint64(7)) & np.uint64(0xFF)] * np.uint64(lane > 0)
-                + increments[(word >> np.uint64(23)) & np.uint64(0xFF)] * np.uint64(lane > 1)
-                + increments[(word >> np.uint64(39)) & np.uint64(0xFF)] * np.uint64(lane > 2)
+                before[(i >> np.uint64(2)) - np.uint64(block)]
+                + _word_increments(increments, below)
+                - (np.uint64(4) - lane) * increments[0]
                 + correction
             )
             exponent = (old_bits[j] >> 7) & 0xFF
