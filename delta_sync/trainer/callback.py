@@ -62,9 +62,9 @@ class DeltaSyncConfig:
             `"wait"`, `"abort"` (vLLM's `/pause` modes) or None to not pause.
         encoding: How deltas store their changes: `"raw"` (the published TRL format, 6 bytes
             per changed element) or `"compact"` (entropy-coded against the weights replicas
-            hold, typically under 1 byte per changed element, for about 2 ns of CPU per
-            model element on each side: worth it on links below a few hundred Mbit/s or
-            where bytes are billed; sharded trainers code each rank's block).
+            hold, typically under 1 byte per changed element, for a few nanoseconds of CPU
+            per model element on each side: worth it on links below a few hundred Mbit/s
+            or where bytes are billed; sharded trainers code each rank's block).
         signing_key: Path (or PEM text) of the Ed25519 key that signs every version
             (`delta-sync keygen`); default: `DELTA_SYNC_SIGNING_KEY`, else unsigned.
         vllm_token: The replicas' weight-route token (`vllm_ext.auth` middleware), sent as
