@@ -23,12 +23,13 @@ snapshot) and every replica (its held weights) both have:
 
 Both are coded with `constriction`'s ANS coder, a few calls per group. The passes over
 whole tensors are compiled (numba, cached on disk: the first call in a process loads them in
-about a second, the very first on a machine compiles them in a few): the encoder reads the
-previous tensor once, four elements (one 64-bit load) at a time, counting group members
-with one-byte counters packed in a 64-bit word, and looks each change's rank up among them;
-the decoder counts the groups' sizes in
-one pass and finds the element of every decoded rank, all groups at once and in ascending
-order, in a second. Everything else is O(changed elements). The encoder can read the
+about a second, the very first on a machine compiles them in a few). They read 64
+elements at a time into one mask per group boundary (the elements whose exponent is at
+least the boundary, a vector compare: [`delta_sync.bitmasks`]), so that counting a group's
+members is a `popcount`: the encoder reads the previous tensor once and takes each change's
+rank from the masks below it; the decoder counts the groups' sizes in one pass and finds
+the element of every decoded rank, all groups at once and in ascending order, in a second.
+Everything else is O(changed elements). The encoder can read the
 previous tensor as the tensor after the change plus the old values of the changed elements
 (`old_values`), so a trainer codes against its advanced snapshot without copying it.
 
@@ -69,7 +70,10 @@ import constriction
 import numba
 import numpy as np
 import torch
+from numba.cpython.unsafe.numbers import trailing_zeros
 
+from .bitmasks import LANES, popcount
+from .bitmasks import at_least as at_least_mask
 from .errors import ApplyError, FormatError
 from .format import SparseChange, index_dtype
 from .parallel import parallel_map
@@ -92,16 +96,6 @@ _DIRECT_CLASSES = 16
 _CLASSES = _DIRECT_CLASSES + 12
 # The raw low bits of a number are coded in chunks of at most this many bits.
 _CHUNK_BITS = 16
-# Words (of four elements) per block of the encoder's rank pass: its one-byte counters
-# then count at most 240 elements.
-_RANK_BLOCK = 60
-# The lanes of a word before lane 0, 1, 2, 3.
-_LANES_BELOW = np.array([0, 0xFFFF, 0xFFFF_FFFF, 0xFFFF_FFFF_FFFF], np.uint64)
-# Words per block of the decoder's select pass: its one-byte counters stay below 128, so that
-# bytes compare by one subtraction; `_NEVER` is a count no block reaches.
-_SELECT_BLOCK = 31
-_NEVER = 127
-_BYTE_TOPS = np.uint64(0x8080808080808080)
 # Tensors smaller than this, or with fewer changes, use a single group: the side
 # information of more would not pay for itself.
 _MIN_GROUPED_NUMEL = 4096
@@ -241,12 +235,6 @@ def _flat_bits(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().reshape(-1).cpu().contiguous().view(torch.int16).numpy()
 
 
-def _words(bits: np.ndarray) -> np.ndarray:
-    """The whole words (four elements each) at the start of a flat bf16 bit array, as little-endian
-    uint64 (a view): element `4 * w + l` is bits `16 l` to `16 l + 15` of word `w`."""
-    return bits[: bits.size - bits.size % 4].view("<u8")  # lanes in element order, as in the stream
-
-
 def _position_dtype(numel: int) -> type:
     # int32 positions wherever they fit: half the memory traffic of int64.
     return np.int32 if numel < 2**31 else np.int64
@@ -275,7 +263,7 @@ def _encode_tensor(
     counts = np.zeros(len(boundaries) + 1, np.int64)
     ranks, classes, zigzag = _rank_changes(
         bits,
-        _words(bits),
+        np.array(boundaries, np.int64),
         _group_table(boundaries),
         indices,
         old_bits,
@@ -389,20 +377,19 @@ def _run_histogram(bits, runs, step, length, indices, old_bits, patched):
 
 
 @numba.njit(nogil=True, cache=True)
-def _rank_changes(bits, words, group_of, indices, old_bits, classes, zigzag, changed, counts):
+def _rank_changes(bits, boundaries, group_of, indices, old_bits, classes, zigzag, changed, counts):
     """Rank of each change among the members of its group (by previous exponent), and the
     group sizes (into `counts`): `(ranks, classes, zigzag)` ordered by group, stable.
 
     `bits` is the previous tensor, except that at the changed positions the old values
-    come from `old_bits`; `words` is its first `4 * words.size` elements read as 64-bit
-    words (four elements each); `changed` holds the changes per group. Members are counted
-    with 8 one-byte counters packed in a 64-bit word, a word of elements at a time (four
-    lookups and an addition, no memory dependency), in blocks of 60 words (240 elements,
-    so no counter overflows); the counters before each word of a block are kept, so that
-    a change's rank is a lookup plus the members before it in its word.
+    come from `old_bits`; `changed` holds the changes per group. Per 64 elements, one mask
+    per group boundary marks the elements whose exponent is at least the boundary (a
+    vector compare, [`delta_sync.bitmasks.at_least`]); the members of group `g` before a
+    position are those at least its lower boundary less those at least its upper one, so
+    a change's rank is two `popcount`s of its masks below it plus the counts before its
+    64 elements.
     """
     numel = bits.size
-    increments = _increments(group_of)
     groups = counts.size
     ranks = np.empty(indices.size, indices.dtype)
     sorted_classes = np.empty_like(classes)
@@ -410,55 +397,60 @@ def _rank_changes(bits, words, group_of, indices, old_bits, classes, zigzag, cha
     slots = np.zeros(groups, np.int64)
     for group in range(1, groups):
         slots[group] = slots[group - 1] + changed[group - 1]
-    before = np.empty(_RANK_BLOCK, np.uint64)
+    # Edge e is the lower boundary of group e: edge 0 holds every element, edge `groups`
+    # none. `at_least[e]`: elements before the current 64 whose exponent is at least edge e,
+    # counted as the tensor holds them (new values at changed positions); `corrections[e]`
+    # turns that into the count of their old values, for the changes seen so far.
+    thresholds = _thresholds(boundaries)
+    at_least = np.zeros(groups + 1, np.int64)
+    corrections = np.zeros(groups + 1, np.int64)
+    masks = np.zeros(groups + 1, np.uint64)
+    masks[0] = ~np.uint64(0)
+    whole = numel - numel % LANES
     j = 0
-    for block in range(0, words.size, _RANK_BLOCK):
-        end = min(words.size, block + _RANK_BLOCK)
-        packed = np.uint64(0)
-        for w in range(block, end):
-            before[w - block] = packed
-            packed += _word_increments(increments, words[w])
-        # Where `bits` holds a new value (patched changes), count the old one in its stead:
-        # the packed counts are exact integers, so the corrections add up field by field.
-        correction = np.uint64(0)
-        while j < indices.size and indices[j] < 4 * end:
-            i = np.uint64(indices[j])  # unsigned: indexing skips the negative-index check
-            lane = i & np.uint64(3)
-            # The members before it in its word: the word with its later lanes zeroed, less
-            # the zeroed lanes (counted as exponent 0).
-            below = words[i >> np.uint64(2)] & _LANES_BELOW[lane]
-            partial = (
-                before[(i >> np.uint64(2)) - np.uint64(block)]
-                + _word_increments(increments, below)
-                - (np.uint64(4) - lane) * increments[0]
-                + correction
-            )
-            exponent = (old_bits[j] >> 7) & 0xFF
-            _place(j, group_of[exponent], partial, counts, slots, ranks, classes, zigzag, sorted_classes, sorted_zigzag)
-            correction += increments[exponent] - increments[(bits[i] >> 7) & 0xFF]
+    for start in range(0, whole, LANES):
+        at_least[0] = start
+        for edge in range(1, groups):
+            masks[edge] = at_least_mask(bits, start, thresholds[edge])
+        while j < indices.size and indices[j] < start + LANES:
+            i = np.int64(indices[j])
+            below = (np.uint64(1) << np.uint64(i - start)) - np.uint64(1)
+            old = (old_bits[j] >> 7) & 0xFF
+            group = group_of[old]
+            lower = at_least[group] + corrections[group] + np.int64(popcount(masks[group] & below))
+            upper = at_least[group + 1] + corrections[group + 1] + np.int64(popcount(masks[group + 1] & below))
+            _place(j, group, lower - upper, slots, ranks, classes, zigzag, sorted_classes, sorted_zigzag)
+            new = (bits[i] >> 7) & 0xFF
+            if new != old:
+                for edge in range(1, groups):
+                    corrections[edge] += np.int64(old >= boundaries[edge - 1]) - np.int64(new >= boundaries[edge - 1])
             j += 1
-        packed += correction
-        for group in range(groups):
-            counts[group] += np.int64((packed >> np.uint64(8 * group)) & np.uint64(0xFF))
-    packed = np.uint64(0)
-    for i in range(4 * words.size, numel):  # the last elements, fewer than a word
-        exponent = (bits[i] >> 7) & 0xFF
+        for edge in range(1, groups):
+            at_least[edge] += np.int64(popcount(masks[edge]))
+    for i in range(whole, numel):  # the last elements, fewer than 64: one at a time
+        at_least[0] = i
         if j < indices.size and indices[j] == i:
             exponent = (old_bits[j] >> 7) & 0xFF
-            _place(j, group_of[exponent], packed, counts, slots, ranks, classes, zigzag, sorted_classes, sorted_zigzag)
+            group = group_of[exponent]
+            lower = at_least[group] + corrections[group]
+            upper = at_least[group + 1] + corrections[group + 1]
+            _place(j, group, lower - upper, slots, ranks, classes, zigzag, sorted_classes, sorted_zigzag)
             j += 1
-        packed += increments[exponent]
+        else:
+            exponent = (bits[i] >> 7) & 0xFF
+        for edge in range(1, groups):
+            at_least[edge] += np.int64(exponent >= boundaries[edge - 1])
+    at_least[0] = numel
     for group in range(groups):
-        counts[group] += np.int64((packed >> np.uint64(8 * group)) & np.uint64(0xFF))
+        counts[group] = at_least[group] + corrections[group] - at_least[group + 1] - corrections[group + 1]
     return ranks, sorted_classes, sorted_zigzag
 
 
 @numba.njit(inline="always")
-def _place(j, group, packed, counts, slots, ranks, classes, zigzag, sorted_classes, sorted_zigzag):
-    """Put change `j` of `group` in the group's next slot, ranked by the group's count so far
-    plus its field of the packed counters."""
+def _place(j, group, rank, slots, ranks, classes, zigzag, sorted_classes, sorted_zigzag):
+    """Put change `j`, of `rank` in `group`, in the group's next slot."""
     slot = slots[group]
-    ranks[slot] = counts[group] + np.int64((packed >> np.uint64(8 * group)) & np.uint64(0xFF))
+    ranks[slot] = rank
     sorted_classes[slot] = classes[j]
     sorted_zigzag[slot] = zigzag[j]
     slots[group] = slot + 1
@@ -493,12 +485,15 @@ def _decode_tensor(name: str, entry: torch.Tensor, previous: torch.Tensor, sourc
     except ValueError as exc:
         raise FormatError(f"{where}: damaged entropy-coded data ({exc})") from None
     group_of = _group_table(header.boundaries)
-    counts = _group_counts(prev_bits, _words(prev_bits), group_of, len(header.boundaries) + 1).tolist()
+    boundaries = np.array(header.boundaries, np.int64)
+    counts = _group_counts(prev_bits, boundaries, group_of).tolist()
     for group, (changed, count) in enumerate(zip(header.changed, counts)):
         if changed > count:
             raise FormatError(f"{where}: group {group} claims {changed} changes among {count} elements")
     try:
-        indices, zigzag = _decode_groups(prev_bits, group_of, _Groups(counts, header.changed, header.tables), coder)
+        indices, zigzag = _decode_groups(
+            prev_bits, boundaries, group_of, _Groups(counts, header.changed, header.tables), coder
+        )
     except FormatError as exc:
         raise FormatError(f"{where}: {exc}") from None
     if not coder.is_empty():
@@ -510,7 +505,7 @@ def _decode_tensor(name: str, entry: torch.Tensor, previous: torch.Tensor, sourc
 
 
 def _decode_groups(
-    prev_bits: np.ndarray, group_of: np.ndarray, groups: _Groups, coder
+    prev_bits: np.ndarray, boundaries: np.ndarray, group_of: np.ndarray, groups: _Groups, coder
 ) -> tuple[np.ndarray, np.ndarray]:
     """`(indices, zigzag)` of all changes, ascending, from the groups' streams."""
     ranks, zigzags = [], []
@@ -524,7 +519,7 @@ def _decode_groups(
         return ranks[0], zigzags[0]
     ends = np.cumsum([r.size for r in ranks])
     positions, sources = _select(
-        prev_bits, _words(prev_bits), group_of, np.concatenate(ranks), ends - [r.size for r in ranks], ends
+        prev_bits, boundaries, group_of, np.concatenate(ranks), ends - [r.size for r in ranks], ends
     )
     if positions.size != ends[-1]:  # cannot happen: every rank was checked against its group's size
         raise FormatError("decoded positions fall outside their groups; the stream is damaged")
@@ -532,115 +527,92 @@ def _decode_groups(
 
 
 @numba.njit(nogil=True, cache=True)
-def _group_counts(bits, words, group_of, groups):
-    """Members of each exponent group: packed one-byte counters, a word of four elements at
-    a time (`words`: the first `4 * words.size` elements of `bits`), flushed every 60 words."""
-    increments = _increments(group_of)
-    counts = np.zeros(groups, np.int64)
-    for block in range(0, words.size, _RANK_BLOCK):
-        packed = np.uint64(0)
-        for w in range(block, min(words.size, block + _RANK_BLOCK)):
-            packed += _word_increments(increments, words[w])
-        for group in range(groups):
-            counts[group] += np.int64((packed >> np.uint64(8 * group)) & np.uint64(0xFF))
-    for i in range(4 * words.size, bits.size):  # the last elements, fewer than a word
+def _group_counts(bits, boundaries, group_of):
+    """Members of each exponent group, from one mask per group boundary per 64 elements."""
+    groups = boundaries.size + 1
+    at_least = np.zeros(groups + 1, np.int64)  # per edge, as in `_rank_changes`
+    thresholds = _thresholds(boundaries)
+    whole = bits.size - bits.size % LANES
+    for start in range(0, whole, LANES):
+        for edge in range(1, groups):
+            at_least[edge] += np.int64(popcount(at_least_mask(bits, start, thresholds[edge])))
+    at_least[0] = whole
+    counts = np.empty(groups, np.int64)
+    for group in range(groups):
+        counts[group] = at_least[group] - at_least[group + 1]
+    for i in range(whole, bits.size):  # the last elements, fewer than 64
         counts[group_of[(bits[i] >> 7) & 0xFF]] += 1
     return counts
 
 
 @numba.njit(nogil=True, cache=True)
-def _select(bits, words, group_of, ranks, starts, ends):
+def _select(bits, boundaries, group_of, ranks, starts, ends):
     """Positions of the members of each group with the given ranks, in one pass, ascending.
 
-    `ranks[starts[g]:ends[g]]` are group `g`'s, ascending and each below its size; `words`
-    are the first `4 * words.size` elements of `bits` as 64-bit words. Returns `(positions,
-    sources)`: the positions found, ascending, and for each the index into `ranks` it
-    answers (fewer only if a rank is out of range).
+    `ranks[starts[g]:ends[g]]` are group `g`'s, ascending and each below its size. Returns
+    `(positions, sources)`: the positions found, ascending, and for each the index into
+    `ranks` it answers (fewer only if a rank is out of range).
 
-    Members are counted with one-byte counters packed in a 64-bit word, a word of four
-    elements at a time, in blocks of 31 words (so that no counter passes 127). The rank
-    each group wants next, counted from the block's start, is packed the same way (127
-    where it lies beyond the block), so that one subtraction tells whether any group
-    reaches its wanted rank within a word: only those words (about one per change) are
-    looked at element by element.
+    Per 64 elements, the members of group `g` are the mask of its lower boundary less that
+    of its upper one; where a group's wanted rank falls among them, the member is found by
+    clearing the mask's lowest bits, and the members found are written out in position order.
     """
     groups = starts.size
     positions = np.empty(ranks.size, np.int64)
     sources = np.empty(ranks.size, np.int64)
-    unreachable = np.int64(bits.size) + 1
+    thresholds = _thresholds(boundaries)
+    masks = np.zeros(groups + 1, np.uint64)
+    masks[0] = ~np.uint64(0)
     following = starts.copy()
-    wanted = np.empty(groups, np.int64)
-    for group in range(groups):
-        wanted[group] = ranks[following[group]] if following[group] < ends[group] else unreachable
-    increments = _increments(group_of)
-    counts = np.zeros(groups, np.int64)  # members before the block
+    members = np.zeros(groups, np.int64)  # members of each group before the current 64
+    source_at = np.empty(LANES, np.int64)  # for each element found here, its index into `ranks`
     found = 0
-    for block in range(0, words.size, _SELECT_BLOCK):
-        limits = np.uint64(0)
+    whole = bits.size - bits.size % LANES
+    for start in range(0, whole, LANES):
+        for edge in range(1, groups):
+            masks[edge] = at_least_mask(bits, start, thresholds[edge])
+        hits = np.uint64(0)
         for group in range(groups):
-            limits |= _limit(wanted[group] - counts[group]) << np.uint64(8 * group)
-        for group in range(groups, 8):
-            limits |= np.uint64(_NEVER) << np.uint64(8 * group)
-        packed = np.uint64(0)
-        for w in range(block, min(words.size, block + _SELECT_BLOCK)):
-            word = words[w]
-            after = packed + _word_increments(increments, word)
-            # A byte of `limits | 0x80..` less `after` loses its top bit where the group's
-            # count passes its wanted rank.
-            if ((limits | _BYTE_TOPS) - after) & _BYTE_TOPS == _BYTE_TOPS:
-                packed = after
-                continue
-            for lane in range(4):
-                exponent = (word >> np.uint64(16 * lane + 7)) & np.uint64(0xFF)
-                group = group_of[exponent]
-                if counts[group] + np.int64((packed >> np.uint64(8 * group)) & np.uint64(0xFF)) == wanted[group]:
-                    positions[found] = 4 * w + lane
-                    sources[found] = following[group]
-                    found += 1
-                    following[group] += 1
-                    wanted[group] = ranks[following[group]] if following[group] < ends[group] else unreachable
-                    limits &= ~(np.uint64(0xFF) << np.uint64(8 * group))
-                    limits |= _limit(wanted[group] - counts[group]) << np.uint64(8 * group)
-                packed += increments[exponent]
-        for group in range(groups):
-            counts[group] += np.int64((packed >> np.uint64(8 * group)) & np.uint64(0xFF))
-    for i in range(4 * words.size, bits.size):  # the last elements, fewer than a word
+            mine = masks[group] & ~masks[group + 1]
+            here = np.int64(popcount(mine))
+            while following[group] < ends[group] and ranks[following[group]] < members[group] + here:
+                skip = ranks[following[group]] - members[group]
+                if skip < 0:  # not ascending: the stream is damaged, and so is this group
+                    following[group] = ends[group]
+                    break
+                rest = mine
+                for _ in range(skip):
+                    rest &= rest - np.uint64(1)
+                bit = trailing_zeros(rest)
+                hits |= np.uint64(1) << np.uint64(bit)
+                source_at[bit] = following[group]
+                following[group] += 1
+            members[group] += here
+        while hits:
+            bit = trailing_zeros(hits)
+            positions[found] = start + bit
+            sources[found] = source_at[bit]
+            found += 1
+            hits &= hits - np.uint64(1)
+    for i in range(whole, bits.size):  # the last elements, fewer than 64
         group = group_of[(bits[i] >> 7) & 0xFF]
-        if counts[group] == wanted[group]:
+        if following[group] < ends[group] and ranks[following[group]] == members[group]:
             positions[found] = i
             sources[found] = following[group]
             found += 1
             following[group] += 1
-            wanted[group] = ranks[following[group]] if following[group] < ends[group] else unreachable
-        counts[group] += 1
+        members[group] += 1
     return positions[:found], sources[:found]
 
 
 @numba.njit(inline="always")
-def _limit(wanted_here):
-    """A wanted rank counted from a block's start, as a byte of the packed limits: `_NEVER`
-    where the block cannot reach it."""
-    return np.uint64(wanted_here) if 0 <= wanted_here < _NEVER else np.uint64(_NEVER)
-
-
-@numba.njit(inline="always")
-def _word_increments(increments, word):
-    """The packed-counter increment of the four elements of a word (by their exponents)."""
-    return (
-        increments[(word >> np.uint64(7)) & np.uint64(0xFF)]
-        + increments[(word >> np.uint64(23)) & np.uint64(0xFF)]
-        + increments[(word >> np.uint64(39)) & np.uint64(0xFF)]
-        + increments[(word >> np.uint64(55)) & np.uint64(0xFF)]
-    )
-
-
-@numba.njit(inline="always")
-def _increments(group_of):
-    """Per exponent, the 64-bit word that adds one to its group's byte of a packed count."""
-    increments = np.zeros(256, np.uint64)
-    for exponent in range(256):
-        increments[exponent] = np.uint64(1) << np.uint64(8 * group_of[exponent])
-    return increments
+def _thresholds(boundaries):
+    """Per edge (the lower boundary of each group, and one past the last), the magnitude
+    `exponent << 7` that [`at_least_mask`] compares with; unused at the first and last."""
+    thresholds = np.zeros(boundaries.size + 2, np.int16)
+    for edge in range(1, boundaries.size + 1):
+        thresholds[edge] = np.int16(boundaries[edge - 1] << 7)
+    return thresholds
 
 
 # -- header ----------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ tensors (both single pass, no TensorIterator set-up per call). Other devices use
 [`extract_changes_`] is the trainer's hot path: it compares the current weights with the
 snapshot, lists the changed elements with their old and new values, and advances the
 snapshot at those positions only, in one compiled pass (numba) with no full-size
-temporary: bf16 weights are compared 16 elements (four 64-bit words) at a time, fp32
+temporary: bf16 weights are compared 64 elements at a time in one vector compare, fp32
 weights are rounded to bf16 on the fly. numba loads the passes from its on-disk cache on
 first use in a process (about a second; compiling them the very first time takes a few).
 """
@@ -18,6 +18,8 @@ import numba
 import numpy as np
 import torch
 from numba.cpython.unsafe.numbers import trailing_zeros
+
+from .bitmasks import LANES, differ
 
 __all__ = ["changed_positions", "extract_changes_", "gather", "scatter_"]
 
@@ -83,12 +85,9 @@ def extract_changes_(
     position_dtype = np.int32 if index_dtype == torch.int32 else np.int64
     if current.dtype == torch.bfloat16:
         cur = current.view(-1).view(torch.int16).numpy()
-        # Whole groups of 16 elements, also read as four 64-bit words each.
-        whole = numel - numel % _GROUP
-        words = (cur[:whole].view(np.uint64), snap[:whole].view(np.uint64))
 
         def extract(start, positions, new, old):
-            return _extract_bf16(cur, snap, *words, start, positions, new, old)
+            return _extract_bf16(cur, snap, start, positions, new, old)
     else:
         cur = current.view(-1).view(torch.int32).numpy()
 
@@ -146,8 +145,6 @@ def _fast_path(current: torch.Tensor, snapshot: torch.Tensor) -> bool:
 _NAN_BF16 = _torch_nan_bits()
 # Elements compared per chunk: their differences form one 64-bit mask.
 _CHUNK = 64
-# bf16 elements compared per group: four 64-bit words.
-_GROUP = 16
 # Position of the lowest set bit of `bit`, from the top 6 bits of `bit * _DE_BRUIJN`.
 _DE_BRUIJN = np.uint64(0x03F79D71B4CB0A89)
 _LOWEST_BIT = np.zeros(64, np.int64)
@@ -204,43 +201,33 @@ def _extract(current, snapshot, start, positions, new, old, nan_bits):
 
 
 @numba.njit(nogil=True, cache=True)
-def _extract_bf16(current, snapshot, current_words, snapshot_words, start, positions, new, old):
-    """`_extract` for bf16 weights: compare from `start` (a multiple of 16), 16 elements at a
+def _extract_bf16(current, snapshot, start, positions, new, old):
+    """`_extract` for bf16 weights: compare from `start` (a multiple of 64), 64 elements at a
     time, until the end or until the buffers could overflow; record and apply the changes.
 
-    `current_words` and `snapshot_words` are the whole groups of 16 elements read as 64-bit
-    words: a group whose four words are equal (most of them) costs four XORs and one
-    branch; only the others are compared element by element, and only their changed
-    elements are visited, by the set bits of a 16-bit mask.
+    Each 64 elements are compared in one vector compare into a 64-bit mask
+    ([`delta_sync.bitmasks.differ`]); only the changed elements are visited, by its set bits.
     """
     numel = snapshot.size
     capacity = positions.size
     count = 0
-    start_word = start >> 2
-    words = current_words.size
-    while start_word < words:
-        # As many groups as the buffers hold even if every element changed.
-        end_word = min(words, start_word + 4 * ((capacity - count) // _GROUP))
-        if end_word == start_word:
-            return count, 4 * start_word
-        for word in range(start_word, end_word, 4):
-            differs = current_words[word] ^ snapshot_words[word]
-            differs |= current_words[word + 1] ^ snapshot_words[word + 1]
-            differs |= current_words[word + 2] ^ snapshot_words[word + 2]
-            differs |= current_words[word + 3] ^ snapshot_words[word + 3]
-            if differs:
-                group = 4 * word
-                mask = np.uint32(0)
-                for k in range(_GROUP):
-                    mask |= np.uint32(current[group + k] != snapshot[group + k]) << np.uint32(k)
-                while mask:
-                    _record(current, snapshot, group + trailing_zeros(mask), positions, new, old, count)
-                    count += 1
-                    mask &= mask - np.uint32(1)
-        start_word = end_word
-    if count + _GROUP > capacity:
-        return count, 4 * words
-    for i in range(4 * words, numel):  # the last elements, fewer than a group
+    whole = numel - numel % LANES
+    chunk = start
+    while chunk < whole:
+        # As many chunks as the buffers hold even if every element changed.
+        end = min(whole, chunk + LANES * ((capacity - count) // LANES))
+        if end == chunk:
+            return count, chunk
+        for group in range(chunk, end, LANES):
+            mask = differ(current, snapshot, group)
+            while mask:
+                _record(current, snapshot, group + trailing_zeros(mask), positions, new, old, count)
+                count += 1
+                mask &= mask - np.uint64(1)
+        chunk = end
+    if count + LANES > capacity:
+        return count, whole
+    for i in range(whole, numel):  # the last elements, fewer than 64
         if current[i] != snapshot[i]:
             _record(current, snapshot, i, positions, new, old, count)
             count += 1

@@ -1,0 +1,101 @@
+"""Compiled comparisons of 64 bf16 elements at once, into one 64-bit mask.
+
+numba compiles loops over array elements one element at a time; these intrinsics hand LLVM
+a comparison of a whole vector of 64 int16 lanes instead, which it lowers to a few SIMD
+instructions (on x86-64 with AVX2: compare, pack, `vpmovmskb`) on any target it supports.
+The compiled passes of [`delta_sync.sparse`] and [`delta_sync.compact`] count and locate
+elements through these masks and `popcount`, rather than element by element.
+
+Call them from `numba.njit` functions only, with `start + 64 <= array.size`: they read 64
+elements from `start` without bounds checks.
+
+Example:
+    ```python
+    >>> @numba.njit
+    ... def count_at_least(bits, threshold):
+    ...     return sum(popcount(at_least(bits, start, threshold)) for start in range(0, bits.size - 63, 64))
+    ```
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+__all__ = ["LANES", "at_least", "differ", "popcount"]
+
+#: Elements compared per mask.
+LANES = 64
+
+_VECTOR = ir.VectorType(ir.IntType(16), LANES)
+
+
+def _contiguous_int16(array) -> bool:
+    """Whether a numba type is a contiguous 1-D int16 array: the lanes are read as one vector."""
+    return isinstance(array, types.Array) and array.dtype == types.int16 and array.ndim == 1 and array.layout == "C"
+
+
+def _load(context, builder, array_type, array, start):
+    """The 64 int16 lanes of `array` from `start`, as an LLVM vector (unaligned load)."""
+    data = context.make_array(array_type)(context, builder, value=array).data
+    pointer = builder.bitcast(builder.gep(data, [start]), _VECTOR.as_pointer())
+    return builder.load(pointer, align=2)
+
+
+def _splat(builder, value):
+    lanes = builder.insert_element(ir.Constant(_VECTOR, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(
+        lanes, ir.Constant(_VECTOR, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES)
+    )
+
+
+def _to_mask(builder, lanes):
+    return builder.bitcast(lanes, ir.IntType(LANES))
+
+
+@intrinsic
+def at_least(typingctx, bits, start, threshold):
+    """Bit `k` set where the magnitude of bf16 element `start + k` (its bits with the sign
+    cleared) is at least `threshold` (an int16 from 1 to 0x7FFF): with `threshold =
+    exponent << 7`, where its exponent is at least `exponent`."""
+    if not _contiguous_int16(bits):
+        return None
+    signature = types.uint64(bits, types.intp, types.int16)
+
+    def codegen(context, builder, sig, args):
+        magnitudes = builder.and_(
+            _load(context, builder, sig.args[0], args[0], args[1]), ir.Constant(_VECTOR, [0x7FFF] * LANES)
+        )
+        # Both sides are non-negative int16: `>= t` is `> t - 1`, one signed compare.
+        below = _splat(builder, builder.sub(args[2], ir.Constant(ir.IntType(16), 1)))
+        return _to_mask(builder, builder.icmp_signed(">", magnitudes, below))
+
+    return signature, codegen
+
+
+@intrinsic
+def differ(typingctx, first, second, start):
+    """Bit `k` set where int16 element `start + k` of the two arrays differs."""
+    if not (_contiguous_int16(first) and _contiguous_int16(second)):
+        return None
+    signature = types.uint64(first, second, types.intp)
+
+    def codegen(context, builder, sig, args):
+        one = _load(context, builder, sig.args[0], args[0], args[2])
+        other = _load(context, builder, sig.args[1], args[1], args[2])
+        return _to_mask(builder, builder.icmp_unsigned("!=", one, other))
+
+    return signature, codegen
+
+
+@intrinsic
+def popcount(typingctx, mask):
+    """Set bits of a uint64."""
+    if mask != types.uint64:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.ctpop(args[0])
+
+    return types.uint64(types.uint64), codegen

@@ -1,0 +1,73 @@
+"""The vector comparisons behind the compiled passes, bit for bit against numpy."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+
+from delta_sync.bitmasks import LANES, at_least, differ, popcount
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@numba.njit
+def at_least_masks(bits, threshold):
+    return np.array([at_least(bits, start, threshold) for start in range(0, bits.size - LANES + 1, LANES)])
+
+
+@numba.njit
+def differ_masks(first, second):
+    return np.array([differ(first, second, start) for start in range(0, first.size - LANES + 1, LANES)])
+
+
+@numba.njit
+def popcounts(masks):
+    return np.array([popcount(mask) for mask in masks])
+
+
+def packed(flags: np.ndarray) -> np.ndarray:
+    """Each row of 64 booleans as a uint64, element k in bit k."""
+    return np.packbits(flags.reshape(-1, LANES), axis=1, bitorder="little").view("<u8").reshape(-1)
+
+
+def every_bit_pattern(offset: int) -> np.ndarray:
+    """All 65,536 bf16 bit patterns (NaNs, infinities, -0.0, subnormals included), shuffled,
+    in a view that starts `offset` elements into its buffer."""
+    patterns = np.random.default_rng(offset).permutation(np.arange(-32768, 32768, dtype=np.int32)).astype(np.int16)
+    buffer = np.empty(patterns.size + offset, np.int16)
+    buffer[offset:] = patterns
+    return buffer[offset:]
+
+
+@pytest.mark.parametrize("offset", [0, 1, 3])
+@pytest.mark.parametrize("exponent", [1, 100, 117, 127, 200, 255])
+def test_at_least_marks_the_magnitudes_at_least_the_threshold(offset, exponent):
+    bits = every_bit_pattern(offset)
+    threshold = np.int16(exponent << 7)
+    expected = packed((bits.astype(np.int32) & 0x7FFF) >= int(threshold))
+    assert np.array_equal(at_least_masks(bits, threshold), expected)
+
+
+@pytest.mark.parametrize("offset", [0, 2])
+def test_differ_marks_every_bitwise_difference(offset):
+    first = every_bit_pattern(offset)
+    second = first.copy()
+    rng = np.random.default_rng(7)
+    second[rng.random(second.size) < 0.03] ^= np.int16(1)  # one ULP
+    second[rng.random(second.size) < 0.01] ^= np.int16(-0x8000)  # the sign alone: 0.0 against -0.0
+    expected = packed(first != second)
+    assert np.array_equal(differ_masks(first, second), expected)
+    assert np.array_equal(differ_masks(first, first), np.zeros_like(expected))
+
+
+def test_popcount_counts_set_bits():
+    masks = np.random.default_rng(1).integers(0, 2**64, 1000, dtype=np.uint64)
+    masks[:3] = [0, 2**64 - 1, 2**63]
+    assert popcounts(masks).tolist() == [bin(int(mask)).count("1") for mask in masks]
+
+
+def test_a_strided_array_is_refused_at_compile_time():
+    bits = np.arange(256, dtype=np.int16)[::2]
+    with pytest.raises(numba.TypingError):
+        at_least_masks(bits, np.int16(128))
