@@ -264,7 +264,6 @@ def _encode_tensor(
     ranks, classes, zigzag = _rank_changes(
         bits,
         np.array(boundaries, np.int64),
-        _group_table(boundaries),
         indices,
         old_bits,
         classes,
@@ -377,7 +376,7 @@ def _run_histogram(bits, runs, step, length, indices, old_bits, patched):
 
 
 @numba.njit(nogil=True, cache=True)
-def _rank_changes(bits, boundaries, group_of, indices, old_bits, classes, zigzag, changed, counts):
+def _rank_changes(bits, boundaries, indices, old_bits, classes, zigzag, changed, counts):
     """Rank of each change among the members of its group (by previous exponent), and the
     group sizes (into `counts`): `(ranks, classes, zigzag)` ordered by group, stable.
 
@@ -391,6 +390,7 @@ def _rank_changes(bits, boundaries, group_of, indices, old_bits, classes, zigzag
     """
     numel = bits.size
     groups = counts.size
+    group_of = _group_table(boundaries)
     ranks = np.empty(indices.size, indices.dtype)
     sorted_classes = np.empty_like(classes)
     sorted_zigzag = np.empty_like(zigzag)
@@ -484,16 +484,13 @@ def _decode_tensor(name: str, entry: torch.Tensor, previous: torch.Tensor, sourc
         coder = constriction.stream.stack.AnsCoder(words)
     except ValueError as exc:
         raise FormatError(f"{where}: damaged entropy-coded data ({exc})") from None
-    group_of = _group_table(header.boundaries)
     boundaries = np.array(header.boundaries, np.int64)
-    counts = _group_counts(prev_bits, boundaries, group_of).tolist()
+    counts = _group_counts(prev_bits, boundaries).tolist()
     for group, (changed, count) in enumerate(zip(header.changed, counts)):
         if changed > count:
             raise FormatError(f"{where}: group {group} claims {changed} changes among {count} elements")
     try:
-        indices, zigzag = _decode_groups(
-            prev_bits, boundaries, group_of, _Groups(counts, header.changed, header.tables), coder
-        )
+        indices, zigzag = _decode_groups(prev_bits, boundaries, _Groups(counts, header.changed, header.tables), coder)
     except FormatError as exc:
         raise FormatError(f"{where}: {exc}") from None
     if not coder.is_empty():
@@ -505,7 +502,7 @@ def _decode_tensor(name: str, entry: torch.Tensor, previous: torch.Tensor, sourc
 
 
 def _decode_groups(
-    prev_bits: np.ndarray, boundaries: np.ndarray, group_of: np.ndarray, groups: _Groups, coder
+    prev_bits: np.ndarray, boundaries: np.ndarray, groups: _Groups, coder
 ) -> tuple[np.ndarray, np.ndarray]:
     """`(indices, zigzag)` of all changes, ascending, from the groups' streams."""
     ranks, zigzags = [], []
@@ -518,18 +515,17 @@ def _decode_groups(
     if len(ranks) == 1:
         return ranks[0], zigzags[0]
     ends = np.cumsum([r.size for r in ranks])
-    positions, sources = _select(
-        prev_bits, boundaries, group_of, np.concatenate(ranks), ends - [r.size for r in ranks], ends
-    )
+    positions, sources = _select(prev_bits, boundaries, np.concatenate(ranks), ends - [r.size for r in ranks], ends)
     if positions.size != ends[-1]:  # cannot happen: every rank was checked against its group's size
         raise FormatError("decoded positions fall outside their groups; the stream is damaged")
     return positions, np.concatenate(zigzags)[sources]
 
 
 @numba.njit(nogil=True, cache=True)
-def _group_counts(bits, boundaries, group_of):
+def _group_counts(bits, boundaries):
     """Members of each exponent group, from one mask per group boundary per 64 elements."""
     groups = boundaries.size + 1
+    group_of = _group_table(boundaries)
     at_least = np.zeros(groups + 1, np.int64)  # per edge, as in `_rank_changes`
     thresholds = _thresholds(boundaries)
     whole = bits.size - bits.size % LANES
@@ -546,7 +542,7 @@ def _group_counts(bits, boundaries, group_of):
 
 
 @numba.njit(nogil=True, cache=True)
-def _select(bits, boundaries, group_of, ranks, starts, ends):
+def _select(bits, boundaries, ranks, starts, ends):
     """Positions of the members of each group with the given ranks, in one pass, ascending.
 
     `ranks[starts[g]:ends[g]]` are group `g`'s, ascending and each below its size. Returns
@@ -558,6 +554,7 @@ def _select(bits, boundaries, group_of, ranks, starts, ends):
     clearing the mask's lowest bits, and the members found are written out in position order.
     """
     groups = starts.size
+    group_of = _group_table(boundaries)
     positions = np.empty(ranks.size, np.int64)
     sources = np.empty(ranks.size, np.int64)
     thresholds = _thresholds(boundaries)
@@ -603,6 +600,18 @@ def _select(bits, boundaries, group_of, ranks, starts, ends):
             following[group] += 1
         members[group] += 1
     return positions[:found], sources[:found]
+
+
+@numba.njit(inline="always")
+def _group_table(boundaries):
+    """Group of each exponent, as a 256-entry table."""
+    table = np.zeros(256, np.uint8)
+    group = 0
+    for exponent in range(256):
+        while group < boundaries.size and boundaries[group] <= exponent:
+            group += 1
+        table[exponent] = group
+    return table
 
 
 @numba.njit(inline="always")
@@ -712,13 +721,6 @@ class _Header:
 
 
 # -- exponent groups -------------------------------------------------------------------------
-
-
-def _group_table(boundaries: list[int]) -> np.ndarray:
-    """Group of each exponent, as a 256-entry table."""
-    table = np.zeros(256, np.uint8)
-    table[boundaries] = 1
-    return np.cumsum(table, dtype=np.uint8)
 
 
 def _choose_boundaries(

@@ -96,7 +96,7 @@ def extract_changes_(
 
     # Changes are usually a few percent: start there and grow (a full-size buffer would be
     # a second copy of the model).
-    capacity = max(_CHUNK, numel // 16)
+    capacity = max(LANES, numel // 16)
     chunks, start = [], 0
     while True:
         positions = np.empty(capacity, position_dtype)
@@ -105,7 +105,7 @@ def extract_changes_(
         chunks.append((positions[:count], new[:count], old[:count]))
         if start >= numel:
             break
-        capacity = max(_CHUNK, min(numel - start, 2 * capacity))
+        capacity = max(LANES, min(numel - start, 2 * capacity))
     if len(chunks) == 1:
         positions, new, old = chunks[0]
     else:
@@ -143,14 +143,6 @@ def _fast_path(current: torch.Tensor, snapshot: torch.Tensor) -> bool:
 
 
 _NAN_BF16 = _torch_nan_bits()
-# Elements compared per chunk: their differences form one 64-bit mask.
-_CHUNK = 64
-# Position of the lowest set bit of `bit`, from the top 6 bits of `bit * _DE_BRUIJN`.
-_DE_BRUIJN = np.uint64(0x03F79D71B4CB0A89)
-_LOWEST_BIT = np.zeros(64, np.int64)
-for _bit in range(64):
-    _LOWEST_BIT[((1 << _bit) * int(_DE_BRUIJN) & (2**64 - 1)) >> 58] = _bit
-del _bit
 
 
 @numba.njit(inline="always")
@@ -174,26 +166,22 @@ def _extract(current, snapshot, start, positions, new, old, nan_bits):
     """
     numel = snapshot.size
     capacity = positions.size
-    flags = np.zeros(_CHUNK, np.uint8)
+    flags = np.zeros(LANES, np.uint8)
     packed = flags.view(np.uint64)
     count = 0
     chunk = start
-    while chunk < numel and count + _CHUNK <= capacity:
-        size = min(_CHUNK, numel - chunk)
+    while chunk < numel and count + LANES <= capacity:
+        size = min(LANES, numel - chunk)
         for k in range(size):
             flags[k] = _bf16_bits(current, chunk + k, nan_bits) != snapshot[chunk + k]
-        if size < _CHUNK:
+        if size < LANES:
             flags[size:] = 0
         mask = np.uint64(0)
-        for byte in range(_CHUNK // 8):
+        for byte in range(LANES // 8):
             mask |= ((packed[byte] * np.uint64(0x0102040810204080)) >> np.uint64(56)) << np.uint64(8 * byte)
         while mask:
-            k = _LOWEST_BIT[((mask & (~mask + np.uint64(1))) * _DE_BRUIJN) >> np.uint64(58)]
-            value = _bf16_bits(current, chunk + k, nan_bits)
-            positions[count] = chunk + k
-            new[count] = value
-            old[count] = snapshot[chunk + k]
-            snapshot[chunk + k] = value
+            i = chunk + trailing_zeros(mask)
+            _record(snapshot, i, _bf16_bits(current, i, nan_bits), positions, new, old, count)
             count += 1
             mask &= mask - np.uint64(1)
         chunk += size
@@ -221,7 +209,8 @@ def _extract_bf16(current, snapshot, start, positions, new, old):
         for group in range(chunk, end, LANES):
             mask = differ(current, snapshot, group)
             while mask:
-                _record(current, snapshot, group + trailing_zeros(mask), positions, new, old, count)
+                i = group + trailing_zeros(mask)
+                _record(snapshot, i, current[i], positions, new, old, count)
                 count += 1
                 mask &= mask - np.uint64(1)
         chunk = end
@@ -229,15 +218,15 @@ def _extract_bf16(current, snapshot, start, positions, new, old):
         return count, whole
     for i in range(whole, numel):  # the last elements, fewer than 64
         if current[i] != snapshot[i]:
-            _record(current, snapshot, i, positions, new, old, count)
+            _record(snapshot, i, current[i], positions, new, old, count)
             count += 1
     return count, numel
 
 
 @numba.njit(inline="always")
-def _record(current, snapshot, i, positions, new, old, count):
-    """Record the change of bf16 element `i` as the `count`-th, and apply it to the snapshot."""
-    value = current[i]
+def _record(snapshot, i, value, positions, new, old, count):
+    """Record the change of element `i` to the bf16 bits `value` as the `count`-th, and apply
+    it to the snapshot."""
     positions[count] = i
     new[count] = value
     old[count] = snapshot[i]
