@@ -1,8 +1,9 @@
 """Compiled comparisons of 64 bf16 elements at once, into one 64-bit mask.
 
 numba compiles loops over array elements one element at a time; these intrinsics hand LLVM
-a comparison of a whole vector of 64 int16 lanes instead, which it lowers to a few SIMD
-instructions (on x86-64 with AVX2: compare, pack, `vpmovmskb`) on any target it supports.
+a comparison of a whole vector of 64 int16 lanes instead (or 64 int32 lanes of fp32 bits,
+rounded to bf16 in the vector), which it lowers to a few SIMD instructions (on x86-64 with
+AVX2: compare, pack, `vpmovmskb`) on any target it supports.
 The compiled passes of [`delta_sync.sparse`] and [`delta_sync.compact`] count and locate
 elements through these masks and `popcount`, rather than element by element.
 
@@ -23,30 +24,31 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["LANES", "at_least", "differ", "popcount"]
+__all__ = ["LANES", "at_least", "differ", "differ_rounded", "popcount"]
 
 #: Elements compared per mask.
 LANES = 64
 
 _VECTOR = ir.VectorType(ir.IntType(16), LANES)
+_WORDS = ir.VectorType(ir.IntType(32), LANES)
 
 
-def _contiguous_int16(array) -> bool:
-    """Whether a numba type is a contiguous 1-D int16 array: the lanes are read as one vector."""
-    return isinstance(array, types.Array) and array.dtype == types.int16 and array.ndim == 1 and array.layout == "C"
+def _contiguous(array, dtype=types.int16) -> bool:
+    """Whether a numba type is a contiguous 1-D array of `dtype`: the lanes are read as one vector."""
+    return isinstance(array, types.Array) and array.dtype == dtype and array.ndim == 1 and array.layout == "C"
 
 
-def _load(context, builder, array_type, array, start):
-    """The 64 int16 lanes of `array` from `start`, as an LLVM vector (unaligned load)."""
+def _load(context, builder, array_type, array, start, vector=_VECTOR):
+    """The 64 lanes of `array` from `start`, as an LLVM vector (unaligned load)."""
     data = context.make_array(array_type)(context, builder, value=array).data
-    pointer = builder.bitcast(builder.gep(data, [start]), _VECTOR.as_pointer())
-    return builder.load(pointer, align=2)
+    pointer = builder.bitcast(builder.gep(data, [start]), vector.as_pointer())
+    return builder.load(pointer, align=vector.element.width // 8)
 
 
-def _splat(builder, value):
-    lanes = builder.insert_element(ir.Constant(_VECTOR, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
+def _splat(builder, value, vector=_VECTOR):
+    lanes = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
     return builder.shuffle_vector(
-        lanes, ir.Constant(_VECTOR, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES)
+        lanes, ir.Constant(vector, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES)
     )
 
 
@@ -59,7 +61,7 @@ def at_least(typingctx, bits, start, threshold):
     """Bit `k` set where the magnitude of bf16 element `start + k` (its bits with the sign
     cleared) is at least `threshold` (an int16 from 1 to 0x7FFF): with `threshold =
     exponent << 7`, where its exponent is at least `exponent`."""
-    if not _contiguous_int16(bits):
+    if not _contiguous(bits):
         return None
     signature = types.uint64(bits, types.intp, types.int16)
 
@@ -77,7 +79,7 @@ def at_least(typingctx, bits, start, threshold):
 @intrinsic
 def differ(typingctx, first, second, start):
     """Bit `k` set where int16 element `start + k` of the two arrays differs."""
-    if not (_contiguous_int16(first) and _contiguous_int16(second)):
+    if not (_contiguous(first) and _contiguous(second)):
         return None
     signature = types.uint64(first, second, types.intp)
 
@@ -85,6 +87,35 @@ def differ(typingctx, first, second, start):
         one = _load(context, builder, sig.args[0], args[0], args[2])
         other = _load(context, builder, sig.args[1], args[1], args[2])
         return _to_mask(builder, builder.icmp_unsigned("!=", one, other))
+
+    return signature, codegen
+
+
+@intrinsic
+def differ_rounded(typingctx, words, bits, start, nan_bits):
+    """Bit `k` set where fp32 element `start + k` of `words` (its bits, as int32), rounded to
+    bf16, differs from int16 element `start + k` of `bits`.
+
+    Rounding is to nearest, ties to even, as `tensor.to(torch.bfloat16)` rounds; every NaN
+    becomes the one bf16 pattern `nan_bits` (an int16), as torch's conversion gives it.
+    """
+    if not (_contiguous(words, types.int32) and _contiguous(bits)) or nan_bits != types.int16:
+        return None
+    signature = types.uint64(words, bits, types.intp, types.int16)
+
+    def codegen(context, builder, sig, args):
+        word = _load(context, builder, sig.args[0], args[0], args[2], _WORDS)
+
+        def splat(value):
+            return ir.Constant(_WORDS, [value] * LANES)
+
+        # (word + 0x7FFF + lowest kept bit) >> 16: cannot wrap below the NaNs, which are replaced.
+        kept = builder.and_(builder.lshr(word, splat(16)), splat(1))
+        rounded = builder.trunc(builder.lshr(builder.add(builder.add(word, splat(0x7FFF)), kept), splat(16)), _VECTOR)
+        nan = builder.icmp_signed(">", builder.and_(word, splat(0x7FFFFFFF)), splat(0x7F800000))
+        bf16 = builder.select(nan, _splat(builder, args[3]), rounded)
+        other = _load(context, builder, sig.args[1], args[1], args[2])
+        return _to_mask(builder, builder.icmp_unsigned("!=", bf16, other))
 
     return signature, codegen
 

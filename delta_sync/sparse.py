@@ -7,8 +7,8 @@ tensors (both single pass, no TensorIterator set-up per call). Other devices use
 [`extract_changes_`] is the trainer's hot path: it compares the current weights with the
 snapshot, lists the changed elements with their old and new values, and advances the
 snapshot at those positions only, in one compiled pass (numba) with no full-size
-temporary: bf16 weights are compared 64 elements at a time in one vector compare, fp32
-weights are rounded to bf16 on the fly. numba loads the passes from its on-disk cache on
+temporary: the weights are compared 64 elements at a time in one vector compare, fp32
+weights rounded to bf16 on the fly. numba loads the passes from its on-disk cache on
 first use in a process (about a second; compiling them the very first time takes a few).
 """
 
@@ -17,9 +17,11 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
+from numba import types
 from numba.cpython.unsafe.numbers import trailing_zeros
+from numba.extending import overload
 
-from .bitmasks import LANES, differ
+from .bitmasks import LANES, differ, differ_rounded
 
 __all__ = ["changed_positions", "extract_changes_", "gather", "scatter_"]
 
@@ -84,15 +86,9 @@ def extract_changes_(
     snap = snapshot.view(-1).view(torch.int16).numpy()
     position_dtype = np.int32 if index_dtype == torch.int32 else np.int64
     if current.dtype == torch.bfloat16:
-        cur = current.view(-1).view(torch.int16).numpy()
-
-        def extract(start, positions, new, old):
-            return _extract_bf16(cur, snap, start, positions, new, old)
+        cur, nan_bits = current.view(-1).view(torch.int16).numpy(), np.int16(0)
     else:
-        cur = current.view(-1).view(torch.int32).numpy()
-
-        def extract(start, positions, new, old):
-            return _extract(cur, snap, start, positions, new, old, _NAN_BF16)
+        cur, nan_bits = current.view(-1).view(torch.int32).numpy(), np.int16(_NAN_BF16)
 
     # Changes are usually a few percent: start there and grow (a full-size buffer would be
     # a second copy of the model).
@@ -101,7 +97,7 @@ def extract_changes_(
     while True:
         positions = np.empty(capacity, position_dtype)
         new, old = np.empty(capacity, np.int16), np.empty(capacity, np.int16)
-        count, start = extract(start, positions, new, old)
+        count, start = _extract(cur, snap, start, positions, new, old, nan_bits)
         chunks.append((positions[:count], new[:count], old[:count]))
         if start >= numel:
             break
@@ -145,56 +141,46 @@ def _fast_path(current: torch.Tensor, snapshot: torch.Tensor) -> bool:
 _NAN_BF16 = _torch_nan_bits()
 
 
-@numba.njit(inline="always")
 def _bf16_bits(current, i, nan_bits):
-    """bf16 bits of the fp32 element `i` (given as int32): rounded to nearest even as torch
-    does, NaN to torch's pattern. (bf16 parameters never reach the compiled pass.)"""
-    word = np.uint32(current[i])
-    if word & np.uint32(0x7FFFFFFF) > np.uint32(0x7F800000):
-        return np.int16(nan_bits)
-    return np.int16((word + np.uint32(0x7FFF) + ((word >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+    """bf16 bits of element `i` of the weights as compared (int16 bf16 bits, or int32 fp32
+    bits, rounded to nearest even as torch does, NaN to torch's pattern)."""
+
+
+@overload(_bf16_bits, inline="always")
+def _bf16_bits_of(current, i, nan_bits):
+    if current.dtype == types.int16:
+        return lambda current, i, nan_bits: current[i]
+
+    def rounded(current, i, nan_bits):
+        word = np.uint32(current[i])
+        if word & np.uint32(0x7FFFFFFF) > np.uint32(0x7F800000):
+            return np.int16(nan_bits)
+        return np.int16((word + np.uint32(0x7FFF) + ((word >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+    return rounded
+
+
+def _differ(current, snapshot, start, nan_bits):
+    """Mask of the 64 elements from `start` whose bf16 bits differ from the snapshot's."""
+
+
+@overload(_differ, inline="always")
+def _differ_of(current, snapshot, start, nan_bits):
+    if current.dtype == types.int16:
+        return lambda current, snapshot, start, nan_bits: differ(current, snapshot, start)
+    return lambda current, snapshot, start, nan_bits: differ_rounded(current, snapshot, start, nan_bits)
 
 
 @numba.njit(nogil=True, cache=True)
 def _extract(current, snapshot, start, positions, new, old, nan_bits):
     """Compare from `start` (a multiple of 64), 64 elements at a time, until the end or
-    until the buffers could overflow; record and apply the changes.
+    until the buffers could overflow; record and apply the changes. `current` holds bf16
+    bits (int16) or fp32 bits (int32), rounded on the fly.
 
-    Returns `(changes recorded, where to resume)`. A chunk's comparison is branch-free
-    (vectorised into a byte per element, then packed into a 64-bit mask by multiplication);
-    only its changed elements are visited, by their set bits.
-    """
-    numel = snapshot.size
-    capacity = positions.size
-    flags = np.zeros(LANES, np.uint8)
-    packed = flags.view(np.uint64)
-    count = 0
-    chunk = start
-    while chunk < numel and count + LANES <= capacity:
-        size = min(LANES, numel - chunk)
-        for k in range(size):
-            flags[k] = _bf16_bits(current, chunk + k, nan_bits) != snapshot[chunk + k]
-        if size < LANES:
-            flags[size:] = 0
-        mask = np.uint64(0)
-        for byte in range(LANES // 8):
-            mask |= ((packed[byte] * np.uint64(0x0102040810204080)) >> np.uint64(56)) << np.uint64(8 * byte)
-        while mask:
-            i = chunk + trailing_zeros(mask)
-            _record(snapshot, i, _bf16_bits(current, i, nan_bits), positions, new, old, count)
-            count += 1
-            mask &= mask - np.uint64(1)
-        chunk += size
-    return count, chunk
-
-
-@numba.njit(nogil=True, cache=True)
-def _extract_bf16(current, snapshot, start, positions, new, old):
-    """`_extract` for bf16 weights: compare from `start` (a multiple of 64), 64 elements at a
-    time, until the end or until the buffers could overflow; record and apply the changes.
-
-    Each 64 elements are compared in one vector compare into a 64-bit mask
-    ([`delta_sync.bitmasks.differ`]); only the changed elements are visited, by its set bits.
+    Returns `(changes recorded, where to resume)`. Each 64 elements are compared in one
+    vector compare into a 64-bit mask ([`delta_sync.bitmasks.differ`],
+    [`delta_sync.bitmasks.differ_rounded`]); only the changed elements are visited, by its
+    set bits.
     """
     numel = snapshot.size
     capacity = positions.size
@@ -207,18 +193,19 @@ def _extract_bf16(current, snapshot, start, positions, new, old):
         if end == chunk:
             return count, chunk
         for group in range(chunk, end, LANES):
-            mask = differ(current, snapshot, group)
+            mask = _differ(current, snapshot, group, nan_bits)
             while mask:
                 i = group + trailing_zeros(mask)
-                _record(snapshot, i, current[i], positions, new, old, count)
+                _record(snapshot, i, _bf16_bits(current, i, nan_bits), positions, new, old, count)
                 count += 1
                 mask &= mask - np.uint64(1)
         chunk = end
     if count + LANES > capacity:
         return count, whole
     for i in range(whole, numel):  # the last elements, fewer than 64
-        if current[i] != snapshot[i]:
-            _record(snapshot, i, current[i], positions, new, old, count)
+        value = _bf16_bits(current, i, nan_bits)
+        if value != snapshot[i]:
+            _record(snapshot, i, value, positions, new, old, count)
             count += 1
     return count, numel
 

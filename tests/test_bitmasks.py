@@ -5,8 +5,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 import pytest
+import torch
 
-from delta_sync.bitmasks import LANES, at_least, differ, popcount
+from delta_sync.bitmasks import LANES, at_least, differ, differ_rounded, popcount
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -19,6 +20,11 @@ def at_least_masks(bits, threshold):
 @numba.njit
 def differ_masks(first, second):
     return np.array([differ(first, second, start) for start in range(0, first.size - LANES + 1, LANES)])
+
+
+@numba.njit
+def differ_rounded_masks(words, bits, nan_bits):
+    return np.array([differ_rounded(words, bits, start, nan_bits) for start in range(0, bits.size - LANES + 1, LANES)])
 
 
 @numba.njit
@@ -61,6 +67,29 @@ def test_differ_marks_every_bitwise_difference(offset):
     assert np.array_equal(differ_masks(first, first), np.zeros_like(expected))
 
 
+def torch_bf16_bits(words: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(words).view(torch.float32).to(torch.bfloat16).view(torch.int16).numpy()
+
+
+@pytest.mark.parametrize("offset", [0, 5])
+def test_differ_rounded_rounds_as_torch_does(offset):
+    # Every bf16 pattern as the high half, with the low halves where rounding turns: exact,
+    # just below, at and just above the tie, and the top; NaNs of every sign and payload.
+    highs = every_bit_pattern(0).astype(np.int32) << 16
+    lows = np.array([0, 0x7FFF, 0x8000, 0x8001, 0xFFFF], np.int32)
+    words = np.empty(highs.size * lows.size + offset, np.int32)[offset:]
+    words[:] = (highs[:, None] | lows[None, :]).reshape(-1)
+    rounded = torch_bf16_bits(words)
+    nan_bits = np.int16(torch_bf16_bits(np.array([0x7FC00000], np.int32))[0])
+    assert np.array_equal(differ_rounded_masks(words, rounded, nan_bits), np.zeros(words.size // LANES, np.uint64))
+    snapshot = rounded.copy()
+    rng = np.random.default_rng(offset)
+    snapshot[rng.random(snapshot.size) < 0.03] ^= np.int16(1)
+    snapshot[rng.random(snapshot.size) < 0.01] ^= np.int16(-0x8000)
+    expected = packed((rounded != snapshot)[: words.size - words.size % LANES])
+    assert np.array_equal(differ_rounded_masks(words, snapshot, nan_bits), expected)
+
+
 def test_popcount_counts_set_bits():
     masks = np.random.default_rng(1).integers(0, 2**64, 1000, dtype=np.uint64)
     masks[:3] = [0, 2**64 - 1, 2**63]
@@ -71,3 +100,5 @@ def test_a_strided_array_is_refused_at_compile_time():
     bits = np.arange(256, dtype=np.int16)[::2]
     with pytest.raises(numba.TypingError):
         at_least_masks(bits, np.int16(128))
+    with pytest.raises(numba.TypingError):
+        differ_rounded_masks(np.arange(256, dtype=np.int32)[::2], bits, np.int16(-1))
