@@ -1,13 +1,20 @@
 """`parallel_map`: per-parameter work on every core.
 
-Work on separate parameters is independent, and numpy, torch and xxhash release the GIL
-in their kernels, so threads scale across cores without copying anything.
+Work on separate parameters is independent, and numpy, torch, numba and xxhash release the
+GIL in their kernels, so threads scale across cores without copying anything.
+
+The workers claim items from a shared counter rather than one future per item: a model has
+hundreds of parameters, many small, and a future per item costs a wake-up of the waiting
+thread per item, each of which takes the GIL from the workers between their kernels (on 2
+cores this made detection of a 42M-parameter model 1.6x slower than one thread doing it
+all). The calling thread works too, and waits once, at the end.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -17,15 +24,60 @@ __all__ = ["parallel_map"]
 T = TypeVar("T")
 R = TypeVar("R")
 
+_WORKERS = min(8, os.cpu_count() or 1)
+
 
 @functools.lru_cache(maxsize=1)
 def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="delta-sync")
+    return ThreadPoolExecutor(max_workers=max(1, _WORKERS - 1), thread_name_prefix="delta-sync")
 
 
 def parallel_map(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
-    """`list(map(fn, items))`, run on a shared thread pool; exceptions propagate."""
+    """`list(map(fn, items))`, on the calling thread and a shared thread pool.
+
+    Items are started in order (put the largest first, so that no thread ends on a long
+    one). If `fn` raises, no further item is started and the exception of the first item
+    that failed propagates.
+
+    Args:
+        fn: The work per item; it may call `parallel_map` itself.
+        items: The items.
+
+    Returns:
+        `fn(item)` of each item, in the order of `items`.
+
+    Example:
+        ```python
+        >>> checksums = parallel_map(tensor_checksum, tensors)
+        ```
+    """
     items = list(items)
-    if len(items) < 2:
+    if _WORKERS < 2 or len(items) < 2:
         return [fn(item) for item in items]
-    return list(_pool().map(fn, items))
+    results: list = [None] * len(items)
+    failures: dict[int, BaseException] = {}
+    claimed = iter(range(len(items)))
+    lock = threading.Lock()
+
+    def drain() -> None:
+        while True:
+            with lock:
+                index = None if failures else next(claimed, None)
+            if index is None:
+                return
+            try:
+                results[index] = fn(items[index])
+            except BaseException as exc:  # re-raised in the caller below
+                with lock:
+                    failures[index] = exc
+
+    helpers = [_pool().submit(drain) for _ in range(min(_WORKERS, len(items)) - 1)]
+    drain()
+    for helper in helpers:
+        # A helper that has not started finds nothing left to do: cancel it rather than
+        # wait for a pool thread (which, in a nested call, may be this very one's caller).
+        if not helper.cancel():
+            helper.result()
+    if failures:
+        raise failures[min(failures)]
+    return results
