@@ -737,25 +737,50 @@ def _choose_boundaries(
     previous tensor, `sample_counts()` (the boundaries are stored, so the decoder needs no estimate).
     """
     numel = prev_bits.size
-    changes = class_counts.sum(axis=1)
-    if numel < _MIN_GROUPED_NUMEL or changes.sum() < _MIN_GROUPED_CHANGES:
+    if numel < _MIN_GROUPED_NUMEL or class_counts.sum() < _MIN_GROUPED_CHANGES:
         return []
-    sampled = sample_counts()
-    elements = np.maximum(sampled * (numel / sampled.sum()), changes)
-    # Atoms: the exponents present; runs without changes at either end are one atom each (a
-    # boundary inside them never pays); coarsened to at most _MAX_ATOMS runs.
-    atoms, changed = np.flatnonzero(elements), np.flatnonzero(changes)
-    low, high = np.searchsorted(atoms, [changed[0], changed[-1] + 1])
-    atoms = np.concatenate([atoms[:low][:1], atoms[low:high], atoms[high:][:1]])
-    if atoms.size > _MAX_ATOMS:
-        atoms = atoms[np.arange(_MAX_ATOMS) * atoms.size // _MAX_ATOMS]
+    atoms, n, h = _atoms(sample_counts(), class_counts, numel)
     if atoms.size <= 1:
         return []
     windows = _windows(atoms.size)
-    present = class_counts[:, class_counts.any(axis=0)]
-    n, h = np.add.reduceat(elements, atoms), np.add.reduceat(present.astype(np.float64), atoms, axis=0)
     best = _best_split(n, h, windows.starts, windows.ends, windows.ranges, windows.groups, _GROUP_PENALTY * numel)
     return atoms[windows.firsts[best, 1 : windows.groups[best]]].tolist()
+
+
+@numba.njit(nogil=True, cache=True)
+def _atoms(sampled, class_counts, numel):
+    """`(atoms, n, h)`: the first exponent of each atom, and its estimated elements and its
+    changes per value class present (an atom runs to the next one's first exponent).
+
+    Atoms are the exponents present; runs without changes at either end are one atom each
+    (a boundary inside them never pays); coarsened to at most `_MAX_ATOMS` runs. Element
+    counts scale the sample's to the tensor, and are at least the changes.
+    """
+    exponents, classes = class_counts.shape
+    changes = np.zeros(exponents, np.int64)
+    present = np.zeros(classes, np.bool_)
+    for exponent in range(exponents):
+        for c in range(classes):
+            changes[exponent] += class_counts[exponent, c]
+            present[c] |= class_counts[exponent, c] > 0
+    elements = np.maximum(sampled * (numel / sampled.sum()), changes)
+    candidates = np.flatnonzero(elements)
+    changed = np.flatnonzero(changes)
+    low = np.searchsorted(candidates, changed[0])
+    high = np.searchsorted(candidates, changed[-1] + 1)
+    atoms = np.concatenate((candidates[:low][:1], candidates[low:high], candidates[high:][:1]))
+    if atoms.size > _MAX_ATOMS:
+        atoms = atoms[np.arange(_MAX_ATOMS) * atoms.size // _MAX_ATOMS]
+    columns = np.flatnonzero(present)
+    n = np.zeros(atoms.size)
+    h = np.zeros((atoms.size, columns.size))
+    for atom in range(atoms.size):
+        end = atoms[atom + 1] if atom + 1 < atoms.size else exponents
+        for exponent in range(atoms[atom], end):
+            n[atom] += elements[exponent]
+            for column in range(columns.size):
+                h[atom, column] += class_counts[exponent, columns[column]]
+    return atoms, n, h
 
 
 @dataclass(frozen=True)
@@ -882,24 +907,20 @@ class _Groups:
 
     def encode(self, group: int, ops: list[_Op], ranks: np.ndarray, classes: np.ndarray, zigzag: np.ndarray) -> None:
         """Push the ops of one group's changes: `ranks` among the group, value `classes`, `zigzag` values."""
-        shift = self.shifts[group]
-        symbols, lows, excess = _position_symbols(
-            ranks, classes, self.counts[group], self.complement[group], shift, self.tables[group].size
+        shift, complement, table_size = self.shifts[group], self.complement[group], self.tables[group].size
+        symbols, lows, lengths, raw, sizes = _group_fields(
+            ranks, classes, zigzag, self.counts[group], complement, shift, table_size
         )
         if symbols.size:
             ops.append(_Op(symbols, self._positions_model(group)))
-        if self.complement[group] and self.tables[group].size > 1:
+        if complement and table_size > 1:
             ops.append(_Op(classes, self._classes_model(group)))
         if symbols.size:
             _encode_bits(ops, lows, shift)
-            if excess.size:  # lengths, then bits, of the excess of the escaped tops
-                lengths = _bit_length(excess)
-                ops.append(_Op(lengths - 1, _UNIFORM_64))
-                _encode_raw(ops, excess - (np.int64(1) << (lengths - 1)), lengths - 1)
-        if self.tables[group].size > _DIRECT_CLASSES:
-            wide = classes >= _DIRECT_CLASSES
-            widths = classes[wide].astype(np.int64) - 12
-            _encode_raw(ops, zigzag[wide] - (np.int64(1) << widths), widths)
+        # The lengths of the escaped tops' excess, then the raw bits of the excess and of the
+        # wide values (one op: the decoder reads them chunk by chunk, in the same order).
+        ops.append(_Op(lengths, _UNIFORM_64))
+        ops.append(_Op(raw, _UNIFORM, (sizes,)))
 
     def decode(self, group: int, coder) -> tuple[np.ndarray, np.ndarray]:
         """`(ranks, zigzag)` of one group's changes, mirroring [`encode`]."""
@@ -954,6 +975,64 @@ class _Groups:
 
     def _classes_model(self, group: int):
         return _Categorical(self._class_probabilities[group, : self.tables[group].size], perfect=False)
+
+
+@numba.njit(nogil=True, cache=True)
+def _group_fields(ranks, classes, zigzag, count, complement, shift, table_size):
+    """Every field one group codes, in one pass: `(symbols, lows, lengths, raw, sizes)`.
+
+    `symbols` and `lows` are those of [`_position_symbols`]. Each escaped top's excess is
+    coded as its bit length less one (`lengths`) and the bits below its leading one; each
+    wide value (class 16 and up) as the bits below its leading one. Those bits, the
+    escapes' and then the wide values', are cut into chunks of at most `_CHUNK_BITS` (all
+    first chunks, then all second chunks, ...): `raw` holds the chunks and `sizes` the
+    range of each (`2^bits`).
+    """
+    symbols, lows, excess = _position_symbols(ranks, classes, count, complement, shift, table_size)
+    lengths = np.empty(excess.size, np.int32)
+    escaped_widths = np.empty(excess.size, np.int64)
+    for e in range(excess.size):
+        width = 0
+        rest = excess[e]
+        while rest:
+            rest >>= 1
+            width += 1
+        lengths[e] = width - 1
+        escaped_widths[e] = width - 1
+    escaped_values = excess - (np.int64(1) << escaped_widths)
+    wide = classes >= _DIRECT_CLASSES
+    wide_widths = classes[wide].astype(np.int64) - 12
+    wide_values = zigzag[wide].astype(np.int64) - (np.int64(1) << wide_widths)
+    total = _chunk_count(escaped_widths) + _chunk_count(wide_widths)
+    raw = np.empty(total, np.int32)
+    sizes = np.empty(total, np.int32)
+    filled = _put_chunks(escaped_values, escaped_widths, raw, sizes, 0)
+    _put_chunks(wide_values, wide_widths, raw, sizes, filled)
+    return symbols, lows, lengths, raw, sizes
+
+
+@numba.njit(inline="always")
+def _chunk_count(widths):
+    total = 0
+    for width in widths:
+        total += (width + _CHUNK_BITS - 1) // _CHUNK_BITS
+    return total
+
+
+@numba.njit(inline="always")
+def _put_chunks(values, widths, raw, sizes, filled):
+    """The low `widths` bits of `values` as chunks, from `filled`: returns where they end."""
+    widest = 0
+    for width in widths:
+        widest = max(widest, width)
+    for offset in range(0, widest, _CHUNK_BITS):
+        for i in range(values.size):
+            if widths[i] > offset:
+                bits = min(widths[i] - offset, _CHUNK_BITS)
+                raw[filled] = np.int32((values[i] >> offset) & ((np.int64(1) << bits) - 1))
+                sizes[filled] = np.int32(1 << bits)
+                filled += 1
+    return filled
 
 
 @numba.njit(nogil=True, cache=True)
@@ -1028,11 +1107,6 @@ def _geometric(counts: list[int], coded: list[int], shifts: list[int]) -> np.nda
     return powers
 
 
-def _bit_length(values: np.ndarray) -> np.ndarray:
-    """Bit length of non-negative int64 values below 2^53 (exact: their float64 is exact)."""
-    return np.frexp(values.astype(np.float64))[1].astype(np.int64)
-
-
 def _encode_bits(ops: list[_Op], values: np.ndarray, width: int) -> None:
     """The low `width` bits of each value, uniformly, in chunks of up to 16 bits."""
     for offset in range(0, width, _CHUNK_BITS):
@@ -1047,15 +1121,6 @@ def _decode_bits(coder, count: int, width: int) -> np.ndarray:
         bits = min(width - offset, _CHUNK_BITS)
         values |= _decode(coder, count, constriction.stream.model.Uniform(1 << bits)).astype(np.int64) << offset
     return values
-
-
-def _encode_raw(ops: list[_Op], values: np.ndarray, widths: np.ndarray) -> None:
-    """Low `widths` bits of each value (a width per value), uniformly, in chunks of up to 16 bits."""
-    for offset in range(0, int(widths.max(initial=0)), _CHUNK_BITS):
-        chosen = widths > offset
-        bits = np.minimum(widths[chosen] - offset, _CHUNK_BITS)
-        chunk = (values[chosen] >> offset) & ((np.int64(1) << bits) - 1)
-        ops.append(_Op(chunk, _UNIFORM, ((np.int64(1) << bits).astype(np.int32),)))
 
 
 def _decode_raw(coder, widths: np.ndarray) -> np.ndarray:
@@ -1076,10 +1141,23 @@ def _unzigzag(zigzag: np.ndarray, old_bits: np.ndarray) -> np.ndarray:
 def _class_tables(counts: np.ndarray) -> list[np.ndarray | None]:
     """Per group (a row of class counts): log-scale frequencies of the classes present
     (0 = absent), one byte each up to the highest class present; None without changes."""
-    with np.errstate(divide="ignore"):
-        quantized = np.clip(np.rint(4 * np.log2(counts)) + 1, 0, 255).astype(np.uint8)  # log2(0) = -inf -> 0
-    sizes = quantized.shape[1] - np.argmax(quantized[:, ::-1] > 0, axis=1)
-    return [row[:size] if changed else None for row, size, changed in zip(quantized, sizes, counts.any(axis=1))]
+    quantized, sizes = _quantized_tables(counts)
+    return [row[:size] if size else None for row, size in zip(quantized, sizes.tolist())]
+
+
+@numba.njit(nogil=True, cache=True)
+def _quantized_tables(counts):
+    """`(round(4 log2(count)) + 1` clipped to a byte, 0 for an absent class; the number of
+    classes up to the highest present, per row)."""
+    groups, classes = counts.shape
+    quantized = np.zeros((groups, classes), np.uint8)
+    sizes = np.zeros(groups, np.int64)
+    for group in range(groups):
+        for c in range(classes):
+            if counts[group, c] > 0:
+                quantized[group, c] = np.uint8(min(np.rint(4 * np.log2(counts[group, c])) + 1, 255))
+                sizes[group] = c + 1
+    return quantized, sizes
 
 
 def _class_probabilities(tables: list[np.ndarray | None]) -> np.ndarray:
