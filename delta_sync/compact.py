@@ -230,9 +230,15 @@ def _largest_first(names: Iterable[str], size: Callable[[str], int]) -> list[str
 # -- one tensor ------------------------------------------------------------------------------
 
 
-def _flat_bits(tensor: torch.Tensor) -> np.ndarray:
-    """The bf16 bit patterns of a CPU tensor as a flat int16 array (no copy when contiguous)."""
-    return tensor.detach().reshape(-1).cpu().contiguous().view(torch.int16).numpy()
+def _flat_bits(tensor: torch.Tensor, dtype: torch.dtype = torch.int16) -> np.ndarray:
+    """The bit patterns of a CPU tensor as a flat array (no copy when contiguous).
+
+    Reshaped by numpy: a torch `reshape` costs more than the rest of a small tensor's encode.
+    """
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        tensor = tensor.cpu().contiguous()
+    return tensor.view(dtype).numpy().reshape(-1)
 
 
 def _position_dtype(numel: int) -> type:
@@ -250,35 +256,27 @@ def _encode_tensor(
     boundaries = _choose_boundaries(
         bits, class_counts, lambda: _sample_counts(bits, indices, old_bits, patched=old_values is not None)
     )
-    group_counts = np.add.reduceat(class_counts, [0, *boundaries], axis=0)
-    changed = group_counts.sum(axis=1).tolist()
+    edges = np.array(boundaries, np.int64)
+    quantized, sizes, changed = _group_tables(class_counts, edges)
+    tables = [row[:size] if size else None for row, size in zip(quantized, sizes.tolist())]
     ops: list[_Op] = []
     if not boundaries:
-        groups = _Groups([bits.size], changed, _class_tables(group_counts))
+        groups = _Groups([bits.size], changed.tolist(), tables)
         if indices.size:
             groups.encode(0, ops, indices, classes, zigzag)
-        return _assemble(boundaries, groups, ops)
+        return _assemble(edges, groups, ops, quantized, sizes)
     # One pass over the tensor: each change's rank among its group, and the groups' sizes,
     # with the changes ordered by group (stable).
     counts = np.zeros(len(boundaries) + 1, np.int64)
-    ranks, classes, zigzag = _rank_changes(
-        bits,
-        np.array(boundaries, np.int64),
-        indices,
-        old_bits,
-        classes,
-        zigzag,
-        np.array(changed, np.int64),
-        counts,
-    )
-    groups = _Groups(counts.tolist(), changed, _class_tables(group_counts))
+    ranks, classes, zigzag = _rank_changes(bits, edges, indices, old_bits, classes, zigzag, changed, counts)
+    groups = _Groups(counts.tolist(), changed.tolist(), tables)
     start = 0
-    for group, count in enumerate(changed):
+    for group, count in enumerate(groups.changed):
         if count:
             chosen = slice(start, start + count)
             groups.encode(group, ops, ranks[chosen], classes[chosen], zigzag[chosen])
             start += count
-    return _assemble(boundaries, groups, ops)
+    return _assemble(edges, groups, ops, quantized, sizes)
 
 
 def _encoder_inputs(
@@ -289,7 +287,7 @@ def _encoder_inputs(
         raise TypeError(f"{name}: previous tensor is {previous.dtype}, expected bfloat16")
     bits = _flat_bits(previous)
     numel = bits.size
-    indices = change.indices.detach().reshape(-1).cpu().numpy().astype(_position_dtype(numel), copy=False)
+    indices = _flat_bits(change.indices, change.indices.dtype).astype(_position_dtype(numel), copy=False)
     new_bits = _flat_bits(change.values)
     if indices.size != new_bits.size:
         raise ValueError(f"{name}: {indices.size} indices but {new_bits.size} values")
@@ -456,19 +454,49 @@ def _place(j, group, rank, slots, ranks, classes, zigzag, sorted_classes, sorted
     slots[group] = slot + 1
 
 
-def _assemble(boundaries: list[int], groups: _Groups, ops: list[_Op]) -> np.ndarray:
+def _assemble(
+    boundaries: np.ndarray, groups: _Groups, ops: list[_Op], tables: np.ndarray, sizes: np.ndarray
+) -> np.ndarray:
     """The stream: the header, then the ANS words of `ops` (pushed in reverse: ANS is a stack)."""
     coder = constriction.stream.stack.AnsCoder()
     for op in reversed(ops):
         op.encode(coder)
-    words = coder.get_compressed().astype("<u4", copy=False)
-    header = bytearray([_VERSION, len(groups.counts), *boundaries])
-    for changed, table in zip(groups.changed, groups.tables):
-        header += _varint(changed)
-        if changed:
-            header += bytes([table.size - 1, *table])
-    header += _varint(words.size)
-    return np.concatenate([np.frombuffer(bytes(header), dtype=np.uint8), words.view(np.uint8)])
+    return _stream(boundaries, np.array(groups.changed, np.int64), tables, sizes, coder.get_compressed())
+
+
+@numba.njit(nogil=True, cache=True)
+def _stream(boundaries, changed, tables, sizes, words):
+    """Header and words as bytes (the layout in the module's docstring)."""
+    groups = changed.size
+    out = np.empty(2 + boundaries.size + groups * (10 + 1 + _CLASSES) + 10 + 4 * words.size, np.uint8)
+    out[0] = _VERSION
+    out[1] = groups
+    at = 2
+    for boundary in boundaries:
+        out[at] = boundary
+        at += 1
+    for group in range(groups):
+        at = _put_varint(out, at, changed[group])
+        if changed[group]:
+            out[at] = sizes[group] - 1
+            out[at + 1 : at + 1 + sizes[group]] = tables[group, : sizes[group]]
+            at += 1 + sizes[group]
+    at = _put_varint(out, at, words.size)
+    for word in words:  # little-endian, whatever the machine
+        for byte in range(4):
+            out[at] = (word >> np.uint32(8 * byte)) & np.uint32(0xFF)
+            at += 1
+    return out[:at].copy()
+
+
+@numba.njit(inline="always")
+def _put_varint(out, at, value):
+    while value >= 0x80:
+        out[at] = (value & 0x7F) | 0x80
+        value >>= 7
+        at += 1
+    out[at] = value
+    return at + 1
 
 
 def _decode_tensor(name: str, entry: torch.Tensor, previous: torch.Tensor, source: str) -> SparseChange:
@@ -625,18 +653,6 @@ def _thresholds(boundaries):
 
 
 # -- header ----------------------------------------------------------------------------------
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
 
 
 class _Reader:
@@ -902,7 +918,7 @@ class _Groups:
         # Elements whose gaps are coded: the changed ones, or the unchanged ones.
         self.coded = [n - k if flip else k for n, k, flip in zip(counts, changed, self.complement)]
         self.shifts = [_gap_shift(n, c) for n, c in zip(counts, self.coded)]
-        self._gap_probabilities = _geometric(counts, self.coded, self.shifts)
+        self._gap_probabilities = _geometric(np.array(counts), np.array(self.coded), np.array(self.shifts))
         self._class_probabilities = _class_probabilities(tables)
 
     def encode(self, group: int, ops: list[_Op], ranks: np.ndarray, classes: np.ndarray, zigzag: np.ndarray) -> None:
@@ -1087,23 +1103,26 @@ def _gap_shift(count: int, coded: int) -> int:
     return max(0, ((count - coded) // coded).bit_length() - 3) if coded else 0
 
 
-def _geometric(counts: list[int], coded: list[int], shifts: list[int]) -> np.ndarray:
+@numba.njit(nogil=True, cache=True)
+def _geometric(counts, coded, shifts):
     """Per group, the probabilities of `gap >> shift` below `_TOPS` (the last entry escapes
     larger ones): gaps between `coded` marked elements among `count` are geometric.
 
-    Only exact IEEE operations (division, subtraction, products) enter the probabilities,
-    so the trainer and every replica build the same models on any machine.
+    Only exact IEEE operations (division, subtraction, products, one rounding each, none
+    fused) enter the probabilities, so the trainer and every replica build the same models
+    on any machine: `ratio = (1 - coded / count)` squared `shift` times, `ratio^t` by
+    sequential products, times `1 - ratio` below `_TOPS`.
     """
-    ratios = []
-    for count, marked, shift in zip(counts, coded, shifts):
-        ratio = 1.0 - marked / count if marked else 0.0
-        for _ in range(shift):
+    powers = np.empty((counts.size, _TOPS + 1))
+    for group in range(counts.size):
+        ratio = 1.0 - coded[group] / counts[group] if coded[group] else 0.0
+        for _ in range(shifts[group]):
             ratio *= ratio
-        ratios.append(ratio)
-    ratio = np.array(ratios)[:, None]
-    # ratio^t by sequential products (cumprod): one rounding per step, the same everywhere.
-    powers = np.cumprod(np.concatenate([np.ones_like(ratio), np.repeat(ratio, _TOPS, axis=1)], axis=1), axis=1)
-    powers[:, :_TOPS] *= 1.0 - ratio
+        power = 1.0
+        for top in range(_TOPS):
+            powers[group, top] = power * (1.0 - ratio)
+            power *= ratio
+        powers[group, _TOPS] = power
     return powers
 
 
@@ -1138,26 +1157,32 @@ def _unzigzag(zigzag: np.ndarray, old_bits: np.ndarray) -> np.ndarray:
     return old_bits + diff
 
 
-def _class_tables(counts: np.ndarray) -> list[np.ndarray | None]:
-    """Per group (a row of class counts): log-scale frequencies of the classes present
-    (0 = absent), one byte each up to the highest class present; None without changes."""
-    quantized, sizes = _quantized_tables(counts)
-    return [row[:size] if size else None for row, size in zip(quantized, sizes.tolist())]
-
-
 @numba.njit(nogil=True, cache=True)
-def _quantized_tables(counts):
-    """`(round(4 log2(count)) + 1` clipped to a byte, 0 for an absent class; the number of
-    classes up to the highest present, per row)."""
-    groups, classes = counts.shape
+def _group_tables(class_counts, boundaries):
+    """Per exponent group: its value table and its changes, `(quantized, sizes, changed)`.
+
+    A group's table holds, for each value class up to the highest present (`sizes`), a
+    log-scale frequency `round(4 log2(count)) + 1` clipped to a byte, 0 for an absent class.
+    """
+    groups = boundaries.size + 1
+    exponents, classes = class_counts.shape
+    counts = np.zeros((groups, classes), np.int64)
+    group = 0
+    for exponent in range(exponents):
+        while group < boundaries.size and boundaries[group] <= exponent:
+            group += 1
+        for c in range(classes):
+            counts[group, c] += class_counts[exponent, c]
     quantized = np.zeros((groups, classes), np.uint8)
     sizes = np.zeros(groups, np.int64)
+    changed = np.zeros(groups, np.int64)
     for group in range(groups):
         for c in range(classes):
             if counts[group, c] > 0:
                 quantized[group, c] = np.uint8(min(np.rint(4 * np.log2(counts[group, c])) + 1, 255))
                 sizes[group] = c + 1
-    return quantized, sizes
+                changed[group] += counts[group, c]
+    return quantized, sizes, changed
 
 
 def _class_probabilities(tables: list[np.ndarray | None]) -> np.ndarray:

@@ -59,6 +59,32 @@ def test_constants():
     assert entry_names("model.norm.weight") == ("model.norm.weight" + SUFFIX,)
 
 
+def test_gap_models_are_built_from_exact_ieee_operations():
+    # Trainer and replicas must build the same ANS models on any machine: the gap model
+    # equals this plain-Python construction (each step one rounded double operation) bit
+    # for bit, which a fused multiply-add or a reordered product would break.
+    from delta_sync.compact import _TOPS, _gap_shift, _geometric
+
+    rng = np.random.default_rng(0)
+    counts = rng.integers(1, 10**8, 3000)
+    coded = np.minimum(rng.integers(0, 10**6, 3000), counts)
+    coded[::7] = 0
+    coded[::11] = counts[::11]
+    shifts = np.array([_gap_shift(int(n), int(k)) for n, k in zip(counts, coded)])
+    expected = []
+    for count, marked, shift in zip(counts.tolist(), coded.tolist(), shifts.tolist()):
+        ratio = 1.0 - marked / count if marked else 0.0
+        for _ in range(shift):
+            ratio *= ratio
+        row, power = [], 1.0
+        for _ in range(_TOPS):
+            row.append(power * (1.0 - ratio))
+            power *= ratio
+        expected.append([*row, power])
+    built = _geometric(counts, coded, shifts)
+    assert np.array_equal(built.view(np.int64), np.array(expected).view(np.int64))
+
+
 # -- real training streams ------------------------------------------------------------------------
 
 
