@@ -956,7 +956,7 @@ class _Groups:
     def _decode_ranks(self, group: int, coder, tops: np.ndarray) -> np.ndarray:
         """Ranks of the changed elements among the group, from the tops, low bits and escapes of the gaps."""
         count, shift = self.counts[group], self.shifts[group]
-        ranks = np.zeros(0, np.int64)
+        lows = np.zeros(0, np.int64)
         if tops.size:
             lows = _decode_bits(coder, tops.size, shift)
             escaped = tops >= _TOPS
@@ -966,12 +966,10 @@ class _Groups:
                 if lengths.max() > 48:
                     raise FormatError(f"an escaped gap of group {group} is longer than 2^48; the stream is damaged")
                 tops[escaped] = _decode_raw(coder, lengths - 1) + (np.int64(1) << (lengths - 1)) + _TOPS - 1
-            if tops.max() > count >> shift:
-                raise FormatError(f"a decoded gap runs past the end of group {group}; the stream is damaged")
-            ranks = np.cumsum((tops.astype(np.int64) << shift) + lows + 1) - 1
-            if ranks[-1] >= count:
-                raise FormatError(f"decoded positions run past the end of group {group}; the stream is damaged")
-        return _complement(ranks, count) if self.complement[group] else ranks
+        ranks = _ranks_of(tops.astype(np.int64, copy=False), lows, shift, count, self.complement[group])
+        if ranks is None:
+            raise FormatError(f"decoded positions run past the end of group {group}; the stream is damaged")
+        return ranks
 
     def _decode_values(self, group: int, coder, classes: np.ndarray) -> np.ndarray:
         """Zigzag values from their classes and, for the wide classes, their raw low bits."""
@@ -1091,10 +1089,30 @@ def _position_symbols(ranks, classes, count, complement, shift, table_size):
     return symbols, lows, excess[:escaped]
 
 
-def _complement(ranks: np.ndarray, count: int) -> np.ndarray:
-    keep = np.ones(count, dtype=bool)
-    keep[ranks] = False
-    return np.flatnonzero(keep)
+@numba.njit(nogil=True, cache=True)
+def _ranks_of(tops, lows, shift, count, complement):
+    """Ranks among the group of its changed elements, from the coded gaps (`(top << shift) +
+    low` before each coded element), which are the changed elements or, with `complement`,
+    the others; None where they run past the group's `count` members."""
+    coded = np.empty(tops.size, np.int64)
+    position = -1
+    for j in range(tops.size):
+        if tops[j] > count >> shift:  # also keeps the shift below from overflowing
+            return None
+        position += (tops[j] << shift) + lows[j] + 1
+        if position >= count:
+            return None
+        coded[j] = position
+    if not complement:
+        return coded
+    others = np.empty(count - coded.size, np.int64)
+    j = 0
+    for member in range(count):
+        if j < coded.size and coded[j] == member:
+            j += 1
+        else:
+            others[member - j] = member
+    return others
 
 
 def _gap_shift(count: int, coded: int) -> int:
