@@ -45,10 +45,11 @@ def _load(context, builder, array_type, array, start, vector=_VECTOR):
     return builder.load(pointer, align=vector.element.width // 8)
 
 
-def _splat(builder, value, vector=_VECTOR):
-    lanes = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
+def _splat(builder, value):
+    """An int16 value in all 64 lanes."""
+    lanes = builder.insert_element(ir.Constant(_VECTOR, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
     return builder.shuffle_vector(
-        lanes, ir.Constant(vector, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES)
+        lanes, ir.Constant(_VECTOR, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES)
     )
 
 

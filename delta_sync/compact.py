@@ -264,7 +264,7 @@ def _encode_tensor(
         groups = _Groups([bits.size], changed.tolist(), tables)
         if indices.size:
             groups.encode(0, ops, indices, classes, zigzag)
-        return _assemble(edges, groups, ops, quantized, sizes)
+        return _assemble(edges, changed, quantized, sizes, ops)
     # One pass over the tensor: each change's rank among its group, and the groups' sizes,
     # with the changes ordered by group (stable).
     counts = np.zeros(len(boundaries) + 1, np.int64)
@@ -276,7 +276,7 @@ def _encode_tensor(
             chosen = slice(start, start + count)
             groups.encode(group, ops, ranks[chosen], classes[chosen], zigzag[chosen])
             start += count
-    return _assemble(edges, groups, ops, quantized, sizes)
+    return _assemble(edges, changed, quantized, sizes, ops)
 
 
 def _encoder_inputs(
@@ -455,13 +455,14 @@ def _place(j, group, rank, slots, ranks, classes, zigzag, sorted_classes, sorted
 
 
 def _assemble(
-    boundaries: np.ndarray, groups: _Groups, ops: list[_Op], tables: np.ndarray, sizes: np.ndarray
+    boundaries: np.ndarray, changed: np.ndarray, tables: np.ndarray, sizes: np.ndarray, ops: list[_Op]
 ) -> np.ndarray:
-    """The stream: the header, then the ANS words of `ops` (pushed in reverse: ANS is a stack)."""
+    """The stream: the header (`_group_tables`' `tables`, `sizes` and `changed`), then the ANS
+    words of `ops` (pushed in reverse: ANS is a stack)."""
     coder = constriction.stream.stack.AnsCoder()
     for op in reversed(ops):
         op.encode(coder)
-    return _stream(boundaries, np.array(groups.changed, np.int64), tables, sizes, coder.get_compressed())
+    return _stream(boundaries, changed, tables, sizes, coder.get_compressed())
 
 
 @numba.njit(nogil=True, cache=True)
@@ -1003,16 +1004,14 @@ def _group_fields(ranks, classes, zigzag, count, complement, shift, table_size):
     range of each (`2^bits`).
     """
     symbols, lows, excess = _position_symbols(ranks, classes, count, complement, shift, table_size)
-    lengths = np.empty(excess.size, np.int32)
-    escaped_widths = np.empty(excess.size, np.int64)
+    escaped_widths = np.empty(excess.size, np.int64)  # bit length less one
     for e in range(excess.size):
-        width = 0
-        rest = excess[e]
+        width, rest = -1, excess[e]
         while rest:
             rest >>= 1
             width += 1
-        lengths[e] = width - 1
-        escaped_widths[e] = width - 1
+        escaped_widths[e] = width
+    lengths = escaped_widths.astype(np.int32)
     escaped_values = excess - (np.int64(1) << escaped_widths)
     wide = classes >= _DIRECT_CLASSES
     wide_widths = classes[wide].astype(np.int64) - 12
@@ -1184,13 +1183,11 @@ def _group_tables(class_counts, boundaries):
     """
     groups = boundaries.size + 1
     exponents, classes = class_counts.shape
+    group_of = _group_table(boundaries)
     counts = np.zeros((groups, classes), np.int64)
-    group = 0
     for exponent in range(exponents):
-        while group < boundaries.size and boundaries[group] <= exponent:
-            group += 1
         for c in range(classes):
-            counts[group, c] += class_counts[exponent, c]
+            counts[group_of[exponent], c] += class_counts[exponent, c]
     quantized = np.zeros((groups, classes), np.uint8)
     sizes = np.zeros(groups, np.int64)
     changed = np.zeros(groups, np.int64)
