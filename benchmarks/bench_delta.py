@@ -73,7 +73,8 @@ from safetensors.torch import save as save_bytes
 
 from delta_sync import BF16ChangeDetector
 from delta_sync.compact import decode_changes, encode_changes
-from delta_sync.format import SparseChange, raw_delta_tensors
+from delta_sync.encodings import raw_delta_tensors
+from delta_sync.format import SparseChange
 from delta_sync.integrity import tensor_checksum, updated_checksum
 from delta_sync.sparse import gather, scatter_
 

@@ -3,7 +3,8 @@
 The package has three sides:
 
 * the wire format and its checks, shared by both ends: `format` (the one gate that decides
-  whether a file is valid), `layout` (where files live in a bucket), `integrity`
+  whether a file is valid), `encodings` (how a delta's changes are stored, one codec per
+  encoding), `layout` (where files live in a bucket), `integrity`
   (checksums), `control` (the HTTP contract between trainer and vLLM replicas),
   `storage` (local, Hugging Face and S3 buckets), `errors`;
 * the trainer side, `delta_sync.trainer`: [`BF16ChangeDetector`], [`Publisher`] and
@@ -15,13 +16,14 @@ Every error this library raises on purpose is a [`DeltaSyncError`]; the specific
 live in `delta_sync.errors`.
 """
 
+import importlib
+
+from .control.client import ReplicaOptions
 from .errors import DeltaSyncError
 from .format import read_file
 from .replica.receiver import ApplyResult, Receiver, expected_shapes_of, module_weight_loader
 from .replica.verify import verify_bucket
 from .storage import Bucket, LocalBucket, open_bucket
-from .trainer.detector import BF16ChangeDetector
-from .trainer.publisher import Publisher, PublishReport
 
 __version__ = "0.1.0"
 
@@ -35,7 +37,9 @@ __all__ = [
     "LocalBucket",
     "PublishReport",
     "Publisher",
+    "PublisherOptions",
     "Receiver",
+    "ReplicaOptions",
     "expected_shapes_of",
     "module_weight_loader",
     "open_bucket",
@@ -44,11 +48,19 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    # The callback needs transformers; import it only when asked for, so the replica
-    # side (e.g. inside a vLLM server) never pulls in the training stack.
-    if name in ("DeltaSyncCallback", "DeltaSyncConfig"):
-        from .trainer import callback
+#: The trainer side's names, imported only when asked for, so the replica side (e.g. inside
+#: a vLLM server) never imports `delta_sync.trainer` (and the callback's transformers).
+_TRAINER_NAMES = {
+    "BF16ChangeDetector": "detector",
+    "DeltaSyncCallback": "callback",
+    "DeltaSyncConfig": "callback",
+    "PublishReport": "publisher",
+    "Publisher": "publisher",
+    "PublisherOptions": "publisher",
+}
 
-        return getattr(callback, name)
+
+def __getattr__(name: str):
+    if name in _TRAINER_NAMES:
+        return getattr(importlib.import_module(f".trainer.{_TRAINER_NAMES[name]}", __name__), name)
     raise AttributeError(f"module 'delta_sync' has no attribute {name!r}")

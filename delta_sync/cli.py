@@ -6,6 +6,7 @@ All take local paths and bucket URLs (`file://`, `hf://buckets/...`, `s3://...`)
     delta-sync inspect ./deltas/deltas/step_00000003.manifest.json   (a version written in parts)
     delta-sync verify hf://buckets/me/deltas
     delta-sync follow hf://buckets/me/deltas --vllm-url http://127.0.0.1:8000
+    delta-sync plot ./deltas -o deltas.png   (needs the `plot` extra: matplotlib)
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ import tempfile
 import threading
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 
-from .errors import BucketPathError, DeltaSyncError, FormatError
-from .format import Anchor, Delta, read_file
-from .layout import ANCHOR_DIR, DELTA_DIR, version_files
-from .manifest import PartedAnchor
+from .errors import BucketFileNotFoundError, BucketPathError, DeltaSyncError, FormatError
+from .format import Anchor, Delta, DeltaFile, read_file
+from .layout import ANCHOR_DIR, DELTA_DIR, is_manifest, version_files
+from .manifest import Manifest, PartedAnchor
 from .replica.follow import Follower
 from .replica.receiver import Receiver
 from .replica.verify import verify_bucket
@@ -34,6 +36,8 @@ from .storage import open_bucket
 from .storage.cache import DownloadCache
 
 __all__ = ["main"]
+
+KEY_FILE, PUBLIC_KEY_FILE = "delta-sync.key", "delta-sync.pub"  # what SigningKey.save writes
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -47,12 +51,34 @@ def _inspect(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="delta-sync-inspect-") as tmp:
         receiver = Receiver(cache=DownloadCache(tmp))
         opened = open_bucket(bucket)
-        with receiver.open_version(opened, path) as file:
-            if args.decode and isinstance(file, Delta):
+        try:
+            file = receiver.open_version(opened, path)
+        except BucketFileNotFoundError as exc:
+            raise BucketFileNotFoundError(f"{exc}; {_holdings(opened, path)}") from None
+        with file:
+            if args.decode and isinstance(file, DeltaFile):
                 if file.coded:
                     _replay_to(receiver, opened, file.header.base_version)
                 return _print_changes(file.decoded(receiver.weights))
             return _describe(args, file)
+
+
+def _holdings(bucket, path: str) -> str:
+    """What a bucket holds, for an error that names a file it lacks (retention deletes old ones)."""
+    listing = bucket.list(ANCHOR_DIR) + bucket.list(DELTA_DIR)
+    held = []
+    for kind in ("anchor", "delta"):
+        files = version_files(listing, kind)
+        if files:
+            newest = files[max(files)]
+            held.append(f"{len(files)} {kind}(s), v{min(files)}-v{max(files)} (newest: {bucket.url}/{newest})")
+    if not held:
+        folder, _, name = path.rpartition("/")
+        return (
+            f"{bucket.url} holds no anchors or deltas (a bucket keeps them under BUCKET/{ANCHOR_DIR}/ and "
+            f"BUCKET/{DELTA_DIR}/: for the bucket ./deltas, name deltas/{folder}/{name})"
+        )
+    return f"{bucket.url} holds " + " and ".join(held)
 
 
 def _replay_to(receiver: Receiver, bucket, version: int) -> None:
@@ -97,12 +123,13 @@ def _locate(target: str) -> tuple[str, str] | None:
     return None
 
 
-def _describe(args: argparse.Namespace, file: Anchor | Delta | PartedAnchor) -> int:
+def _describe(args: argparse.Namespace, file: Anchor | DeltaFile | PartedAnchor) -> int:
     header = file.header
-    if isinstance(file, Delta):
+    if isinstance(file, DeltaFile):
+        # A coded delta's changes per tensor are known once decoded (`--decode`).
+        changes = file.changes if isinstance(file, Delta) else {}
         per_tensor = {
-            name: {"changed": len(change), "numel": _numel(header.shapes[name])}
-            for name, change in file.changes.items()
+            name: {"changed": len(change), "numel": _numel(header.shapes[name])} for name, change in changes.items()
         }
     else:
         per_tensor = {name: {"changed": _numel(shape), "numel": _numel(shape)} for name, shape in header.shapes.items()}
@@ -146,17 +173,110 @@ def _verify(args: argparse.Namespace) -> int:
         for step in report.steps:
             print(f"{'ok  ' if step.ok else 'FAIL'}  {step.path}: {step.message}")
         verdict = "passed" if report.ok else "FAILED"
-        print(
-            f"{report.bucket}: verification {verdict} (latest v{report.latest_version}, replayed v{report.replayed_version})"
-        )
+        latest = "no latest.json" if report.latest_version is None else f"latest v{report.latest_version}"
+        replayed = "nothing replayed" if report.replayed_version is None else f"replayed v{report.replayed_version}"
+        print(f"{report.bucket}: verification {verdict} ({latest}, {replayed})")
     return 0 if report.ok else 1
 
 
 def _keygen(args: argparse.Namespace) -> int:
-    private, public = SigningKey.generate().save(args.directory)
+    directory = Path(args.directory)
+    existing = [path for path in (directory / KEY_FILE, directory / PUBLIC_KEY_FILE) if path.exists()]
+    if existing:
+        print(
+            f"delta-sync: error: {existing[0]} exists already, and keys are never overwritten. To keep signing "
+            f"with that pair, use it as it is ({SIGNING_KEY_ENV}={directory / KEY_FILE} on the trainer, "
+            f"{VERIFY_KEY_ENV}={directory / PUBLIC_KEY_FILE} on replicas); to make a new pair, name another "
+            f"directory (delta-sync keygen {directory}-new) and give replicas its public key when the trainer "
+            "switches to it",
+            file=sys.stderr,
+        )
+        return 2
+    private, public = SigningKey.generate().save(directory)
+    ignore = directory / ".gitignore"
+    if not ignore.exists():
+        ignore.write_text("# Written by delta-sync keygen: the private key must never be committed.\n*\n")
     print(f"wrote {private} (the trainer's signing key: keep it secret) and {public} (for replicas)")
     print(f"trainer: {SIGNING_KEY_ENV}={private}   replicas: {VERIFY_KEY_ENV}={public} (or the file's PEM text)")
+    print(
+        f"never commit {directory}/ (a {ignore.name} there keeps git away from it): anyone holding "
+        f"{private.name} can change what replicas serve"
+    )
     return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    try:
+        import matplotlib
+    except ImportError:
+        print("delta-sync: error: plot needs matplotlib: pip install 'delta-weight-sync[plot]'", file=sys.stderr)
+        return 2
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with tempfile.TemporaryDirectory(prefix="delta-sync-plot-") as tmp:
+        receiver = Receiver(cache=DownloadCache(tmp))
+        bucket = open_bucket(args.bucket)
+        rows = _version_rows(receiver, bucket)
+    if not rows:
+        raise FormatError(f"{bucket.url}: no anchors or deltas to plot")
+    anchors = [row for row in rows if row["kind"] == "anchor"]
+    deltas = [row for row in rows if row["kind"] == "delta"]
+    figure, (sizes, changed) = plt.subplots(2, 1, sharex=True, figsize=(9, 6), constrained_layout=True)
+    sizes.plot([r["version"] for r in deltas], [r["bytes"] for r in deltas], "o-", ms=3, label="delta")
+    sizes.plot([r["version"] for r in anchors], [r["bytes"] for r in anchors], "s", color="C3", label="anchor")
+    sizes.set_yscale("log")
+    sizes.set_ylabel("bytes stored")
+    sizes.set_title(f"{bucket.url}: {len(deltas)} deltas, {len(anchors)} anchors, run {rows[-1]['run_id']}")
+    changed.bar([r["version"] for r in deltas], [100 * r["changed_fraction"] for r in deltas], color="0.6")
+    changed.set_ylabel("% of elements changed")
+    changed.set_xlabel("version")
+    for axis in (sizes, changed):
+        for row in anchors:
+            axis.axvline(row["version"], color="C3", lw=0.8, ls=":")
+    sizes.legend(loc="best")
+    figure.savefig(args.output, dpi=120)
+    plt.close(figure)
+    mean = sum(r["bytes"] for r in deltas) / max(1, len(deltas))
+    at = ", ".join(f"v{r['version']}" for r in anchors) or "none kept"
+    print(
+        f"wrote {args.output}: v{rows[0]['version']}-v{rows[-1]['version']}, {len(deltas)} deltas "
+        f"({mean:,.0f} bytes on average), anchors at {at}"
+    )
+    return 0
+
+
+def _version_rows(receiver: Receiver, bucket) -> list[dict]:
+    """One row per stored version file (anchor or delta, whole or in parts), oldest first."""
+    listing = bucket.list(ANCHOR_DIR) + bucket.list(DELTA_DIR)
+    rows = []
+    for kind in ("anchor", "delta"):
+        for version, path in version_files(listing, kind).items():
+            local = None if is_manifest(path) else bucket.local_path(path)
+            if local is not None:  # a local bucket's file is read where it lies, not copied
+                with read_file(local, source=f"{bucket.url}/{path}") as file:
+                    header = file.header
+                rows.append(_version_row(kind, version, local.stat().st_size, header))
+                continue
+            with receiver.open_version(bucket, path) as file:
+                header = file.header
+            stored = receiver.cache.fetch(bucket, path)
+            size = stored.stat().st_size
+            if is_manifest(path):
+                manifest = Manifest.from_json(stored.read_bytes(), source=f"{bucket.url}/{path}")
+                size += sum(receiver.cache.fetch(bucket, part.path).stat().st_size for part in manifest.parts)
+            rows.append(_version_row(kind, version, size, header))
+    return sorted(rows, key=lambda row: (row["version"], row["kind"]))
+
+
+def _version_row(kind: str, version: int, size: int, header) -> dict:
+    return {
+        "kind": kind,
+        "version": version,
+        "bytes": size,
+        "changed_fraction": 1.0 - header.sparsity,
+        "run_id": header.run_id,
+    }
 
 
 def _follow(args: argparse.Namespace) -> int:
@@ -215,6 +335,13 @@ def build_parser() -> argparse.ArgumentParser:
     keygen = commands.add_parser("keygen", help="make the Ed25519 key pair that signs versions")
     keygen.add_argument("directory", help="where to write delta-sync.key and delta-sync.pub (never overwritten)")
     keygen.set_defaults(run=_keygen)
+
+    plot = commands.add_parser(
+        "plot", help="draw a bucket's bytes per version, changed fraction and anchors (needs matplotlib)"
+    )
+    plot.add_argument("bucket", help="bucket URL or local directory")
+    plot.add_argument("-o", "--output", default="delta-sync-plot.png", help="image to write (default: %(default)s)")
+    plot.set_defaults(run=_plot)
 
     follow = commands.add_parser(
         "follow", help="keep a vLLM server at the newest version of a bucket (runs until stopped)"

@@ -74,14 +74,14 @@ from numba.cpython.unsafe.numbers import trailing_zeros
 
 from .bitmasks import LANES, popcount
 from .bitmasks import at_least as at_least_mask
+from .changes import Encoding, SparseChange, index_dtype
 from .errors import ApplyError, FormatError
-from .format import SparseChange, index_dtype
 from .parallel import parallel_map
 
 __all__ = ["ENCODING", "decode_changes", "encode_changes", "entry_names"]
 
-#: Value of the `encoding` metadata key for files in this encoding.
-ENCODING = "compact"
+#: Value of the `encoding` metadata key for files in this encoding (its codec: `delta_sync.encodings`).
+ENCODING = Encoding.COMPACT
 #: Suffix of the one tensor each changed parameter is stored under.
 SUFFIX = ".compact"
 

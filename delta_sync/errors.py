@@ -97,8 +97,9 @@ class UntrustedBucketError(ApplyError):
 
 class UnsupportedLayoutError(DeltaSyncError):
     """The trainer's parameters are laid out in a way delta-sync cannot publish exactly
-    (e.g. FSDP1's flattened parameters, DeepSpeed ZeRO-3 partitions). Raised at train
-    begin, before anything is written; the message says what is supported."""
+    (e.g. FSDP1's flattened parameters, a `DTensor` placement other than `Shard` or
+    `Replicate`). Raised at train begin, before anything is written; the message says what
+    is supported (`delta_sync.trainer.sharding.SUPPORTED`)."""
 
 
 class PublishError(DeltaSyncError):

@@ -21,7 +21,7 @@ Both carry further metadata (all values are strings, as safetensors requires):
 | `model_version` | version the weights have after this file is applied |
 | `base_version` | (delta) version the delta applies on top of |
 | `anchor_version` | version of the newest anchor at or before `base_version` (anchor: its own) |
-| `encoding` | `"dense"` for anchors, `"raw"` or `"compact"` (see `delta_sync.compact`) for deltas |
+| `encoding` | `"dense"` for anchors, `"raw"` or `"compact"` (see `delta_sync.encodings`) for deltas |
 | `run_id` | identifier of the training run; deltas never cross runs |
 | `epoch` | identifies one start of the publisher (a resumed run gets a new one) |
 | `part`, `blocks` | (parts of a sharded version) `rank/world_size`; the offset of each parameter's block in an anchor part or a compact delta part |
@@ -37,20 +37,21 @@ Both carry further metadata (all values are strings, as safetensors requires):
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .blocks import Block
+from .changes import Encoding, SparseChange, index_dtype
+from .encodings import CODECS, Codec
 from .errors import FormatError, IntegrityError
 from .integrity import (
     PayloadHasher,
@@ -61,10 +62,14 @@ from .integrity import (
     tensor_checksum,
 )
 from .parallel import parallel_map
+from .version import Identified, VersionId, sparsity
 
 __all__ = [
     "Anchor",
+    "CodedDelta",
     "Delta",
+    "DeltaFile",
+    "Encoding",
     "FileHeader",
     "SparseChange",
     "index_dtype",
@@ -75,43 +80,22 @@ __all__ = [
 
 FORMAT_NAME = "delta-sync"
 FORMAT_VERSION = "1"
-INDICES_SUFFIX = ".indices"
-VALUES_SUFFIX = ".values"
-
-
-def index_dtype(numel: int) -> torch.dtype:
-    """Index dtype for a tensor of `numel` elements: int32 below 2^31 elements, else int64."""
-    return torch.int32 if numel < 2**31 else torch.int64
+#: For messages: the delta encodings this library reads and writes.
+_KNOWN_ENCODINGS = ", ".join(repr(str(encoding)) for encoding in CODECS)
 
 
 @dataclass(frozen=True)
-class SparseChange:
-    """The changed elements of one parameter.
-
-    Args:
-        indices: Flat row-major positions, 1-D, strictly ascending.
-        values: New bf16 values at `indices`, 1-D, same length.
-    """
-
-    indices: torch.Tensor
-    values: torch.Tensor
-
-    def __len__(self) -> int:
-        return self.indices.numel()
-
-
-@dataclass(frozen=True)
-class FileHeader:
+class FileHeader(Identified):
     """Parsed metadata of an anchor or delta file.
 
     Args:
         source: Where the file came from (a path or bucket URL), used in error messages.
         kind: `"anchor"` or `"delta"`.
-        version: Model version after the file is applied.
+        id: The version the weights have after the file is applied: its number, the anchor
+            it descends from, the run and the start of the run's publisher (`epoch`) that
+            wrote it (`model_version`, `anchor_version`, `run_id`, `epoch` in the metadata).
         base_version: Version a delta applies on top of; None for anchors.
-        anchor_version: Version of the anchor this file descends from (an anchor's own version).
         encoding: `"dense"` (anchors), `"raw"` or `"compact"` (deltas).
-        run_id: Identifier of the training run that wrote the file.
         shapes: Shape of every parameter present in the file.
         checksums: State checksum of every parameter present in the file, after applying.
         base_checksums: For deltas, the same checksums before applying.
@@ -119,8 +103,6 @@ class FileHeader:
         payload_digest: xxh3-64 of the tensor payload.
         changed_elements: Number of elements stored (all of them, for an anchor).
         total_elements: Number of elements in the whole model.
-        epoch: Identifies one start of the trainer's publisher: a run resumed in place gets a
-            new epoch, so its rewritten versions are never mistaken for the abandoned ones.
         part: `(rank, world_size)` for one rank's part of a version written in parts
             (see `delta_sync.manifest`); None for a whole file. A part's `checksums` are
             its share of each parameter's checksum, and it has no `model_checksum`.
@@ -135,11 +117,9 @@ class FileHeader:
 
     source: str
     kind: Literal["anchor", "delta"]
-    version: int
+    id: VersionId
     base_version: int | None
-    anchor_version: int
     encoding: str
-    run_id: str
     shapes: dict[str, tuple[int, ...]]
     checksums: dict[str, int]
     base_checksums: dict[str, int]
@@ -147,7 +127,6 @@ class FileHeader:
     changed_elements: int
     total_elements: int
     payload_digest: str = ""
-    epoch: str = ""
     part: tuple[int, int] | None = None
     blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
     block_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
@@ -155,9 +134,7 @@ class FileHeader:
     @property
     def sparsity(self) -> float:
         """Fraction of the model's elements this file leaves unchanged."""
-        if self.total_elements == 0:
-            return 1.0
-        return 1.0 - self.changed_elements / self.total_elements
+        return sparsity(self.changed_elements, self.total_elements)
 
     @property
     def names(self) -> list[str]:
@@ -239,7 +216,13 @@ class FileHeader:
         attributes.update(
             (spec.attribute, values[spec.key]) for spec in _METADATA_FIELDS if spec.attribute and spec.key in values
         )
-        return cls(source=source, kind=kind, **attributes)
+        identity = VersionId(
+            version=values["model_version"],
+            anchor_version=values["anchor_version"],
+            run_id=values["run_id"],
+            epoch=values.get("epoch", ""),
+        )
+        return cls(source=source, kind=kind, id=identity, **attributes)
 
 
 @dataclass(frozen=True)
@@ -248,7 +231,8 @@ class _Field:
 
     Args:
         key: The metadata key.
-        attribute: The `FileHeader` attribute it fills; None for entries that are only checked.
+        attribute: The `FileHeader` attribute it fills; None for entries that are only checked
+            or that make up its `id`.
         parse: Turns the stored string into a value; raises `ValueError` (or `TypeError`,
             for a JSON value of the wrong type) if it is malformed.
         kinds: The kinds of file that carry it.
@@ -354,15 +338,15 @@ _METADATA_FIELDS = (
     _Field("base_checksums", "base_checksums", _parse_checksums, ("delta",)),
     _Field("base_version", "base_version", _parse_count, ("delta",)),
     _Field("changed_params", None, _parse_names, ("delta",)),
-    _Field("model_version", "version", _parse_count),
-    _Field("anchor_version", "anchor_version", _parse_count),
+    _Field("model_version", None, _parse_count),
+    _Field("anchor_version", None, _parse_count),
     _Field("changed_elements", "changed_elements", _parse_count),
     _Field("total_elements", "total_elements", _parse_count),
     _Field("encoding", "encoding", str),
-    _Field("run_id", "run_id", str),
+    _Field("run_id", None, str),
     _Field("model_checksum", "model_checksum", str),
     _Field("payload_xxh3", "payload_digest", str),
-    _Field("epoch", "epoch", str, required=False),
+    _Field("epoch", None, str, required=False),
     _Field("part", "part", _parse_part, required=False),
     _Field("blocks", "blocks", _parse_blocks, required=False),
     _Field("block_shapes", "block_shapes", _parse_shapes, ("delta",), required=False),
@@ -383,7 +367,7 @@ def _check_consistency(kind: str, values: Mapping[str, Any], source: str) -> Non
     if "blocks" in values and ("part" not in values or sorted(values["blocks"]) != sorted(shapes)):
         raise _malformed(source, "blocks", "only a part has blocks, one per parameter of 'shapes'")
     # A compact delta part is coded in blocks; any other delta holds positions in full tensors.
-    coded_in_blocks = kind == "delta" and "part" in values and values["encoding"] == "compact"
+    coded_in_blocks = kind == "delta" and "part" in values and values["encoding"] == Encoding.COMPACT
     if kind == "delta" and ("blocks" in values) != coded_in_blocks:
         raise _malformed(source, "blocks", "a compact delta part has blocks, and no other delta has")
     if ("block_shapes" in values) != coded_in_blocks:
@@ -401,11 +385,12 @@ def _dump_checksums(checksums: Mapping[str, int]) -> str:
     return json.dumps({name: format_checksum(value) for name, value in sorted(checksums.items())})
 
 
-_File = TypeVar("_File", bound="_ClosingFile")
+_File = TypeVar("_File", bound="VersionFile")
 
 
-class _ClosingFile:
-    """`with read_file(path) as file:` closes what the file holds open."""
+class VersionFile:
+    """What [`read_file`] returns: an anchor or a delta, open until closed (`with
+    read_file(path) as file:` closes what it holds open)."""
 
     def close(self) -> None:
         """Release the file's handle; idempotent."""
@@ -418,7 +403,7 @@ class _ClosingFile:
 
 
 @dataclass
-class Anchor(_ClosingFile):
+class Anchor(VersionFile):
     """A full-weights file, read lazily: each tensor is loaded from disk when asked for.
 
     [`read_file`] checks its structure; [`Anchor.verify`] reads the tensors and checks them
@@ -507,32 +492,56 @@ class Anchor(_ClosingFile):
         self._handle, self._closed = None, True
 
 
-@dataclass
-class Delta(_ClosingFile):
-    """A delta, fully loaded and checked by [`read_file`] (deltas are small).
-
-    A raw delta's changes are read directly. A compact delta's positions and values are
-    coded against the weights the replica holds (see `delta_sync.compact`): its `encoded`
-    entries become changes with [`Delta.decoded`], given those weights.
+class DeltaFile(VersionFile):
+    """A delta as [`read_file`] gives it, fully loaded and checked (deltas are small): a
+    [`Delta`], whose changes are stored as they are, or a delta coded against the weights
+    before it ([`CodedDelta`]; `delta_sync.manifest.PartedDelta`). Either way,
+    `decoded(previous)` is the [`Delta`] to apply.
 
     It holds no open file; it is a context manager only so that code reading either kind of
     file can say `with read_file(path) as file:`.
+    """
+
+    header: FileHeader
+    #: Whether [`decoded`] needs the weights before the delta.
+    coded: ClassVar[bool] = True
+
+    def decoded(self, previous: Mapping[str, torch.Tensor]) -> Delta:
+        """The delta's changes, decoded against `previous` (the weights before it)."""
+        raise NotImplementedError
+
+
+@dataclass
+class Delta(DeltaFile):
+    """A delta with its changes: a raw delta as read, or any delta once decoded.
 
     Args:
         header: The parsed metadata.
-        changes: Parameter name -> the changed elements (empty until decoded, for a
-            compact delta).
-        encoded: For a compact delta, its stored entries by name; None for a raw delta.
+        changes: Parameter name -> the changed elements.
     """
 
     header: FileHeader
     changes: dict[str, SparseChange]
-    encoded: dict[str, torch.Tensor] | None = None
+    coded: ClassVar[bool] = False
 
-    @property
-    def coded(self) -> bool:
-        """Whether the changes must first be decoded against the weights before the delta."""
-        return self.encoded is not None
+    def decoded(self, previous: Mapping[str, torch.Tensor]) -> Delta:
+        """The delta itself: its changes need no decoding."""
+        return self
+
+
+@dataclass
+class CodedDelta(DeltaFile):
+    """A delta whose positions and values are coded against the weights the replica holds
+    (the compact encoding, see `delta_sync.compact`): [`decoded`] gives its changes, given
+    those weights.
+
+    Args:
+        header: The parsed metadata.
+        encoded: The stored entries by name, checked against the header and payload digest.
+    """
+
+    header: FileHeader
+    encoded: dict[str, torch.Tensor]
 
     def decoded(self, previous: Mapping[str, torch.Tensor]) -> Delta:
         """The delta with its changes decoded against `previous` (the weights before it).
@@ -540,20 +549,19 @@ class Delta(_ClosingFile):
         Raises:
             FormatError: A coded stream is damaged; the message names the file and tensor.
         """
-        if self.encoded is None:
-            return self
-        from .compact import decode_changes
-
         # A part is coded in its blocks (`previous` then holds those blocks); a file, in whole tensors.
         shapes = {name: self.header.block(name).shape for name in self.header.shapes}
-        changes = decode_changes(self.encoded, previous, shapes, source=self.header.source)
-        total = sum(len(change) for change in changes.values())
-        if total != self.header.changed_elements:
-            raise FormatError(
-                f"{self.header.source}: metadata 'changed_elements' is {self.header.changed_elements} but the "
-                f"coded streams hold {total}"
-            )
+        changes = CODECS[self.header.encoding].decode(self.encoded, previous, shapes, self.header.source)
+        _check_count(changes, self.header, "the coded streams hold")
         return Delta(header=self.header, changes=changes)
+
+
+def _check_count(changes: Mapping[str, SparseChange], header: FileHeader, holds: str) -> None:
+    total = sum(len(change) for change in changes.values())
+    if total != header.changed_elements:
+        raise FormatError(
+            f"{header.source}: metadata 'changed_elements' is {header.changed_elements} but {holds} {total}"
+        )
 
 
 def write_anchor(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], header: FileHeader) -> FileHeader:
@@ -588,8 +596,8 @@ def write_delta(
         changes: Parameter name -> changed elements (CPU). Raw deltas store indices as
             int32, or int64 for parameters of 2^31 elements or more.
         header: Metadata; its `kind` must be `"delta"` and its `shapes` must cover
-            `changes`. Its `encoding` is `"raw"` or `"compact"`. Its `payload_digest` is
-            computed here.
+            `changes`. Its `encoding` is one of `delta_sync.encodings.CODECS` (`"raw"` or
+            `"compact"`). Its `payload_digest` is computed here.
         previous: For the compact encoding, the full bf16 tensors before the change (the
             replica decodes against the same); with `old_values`, the tensors after it.
         old_values: For the compact encoding, the values the changed elements had before
@@ -601,15 +609,10 @@ def write_delta(
     """
     if header.kind != "delta":
         raise ValueError("write_delta needs a header of kind 'delta'")
-    if header.encoding == "compact":
-        from .compact import encode_changes
-
-        if previous is None:
-            raise ValueError("the compact encoding needs the tensors before the change")
-        return _write(path, encode_changes(changes, previous, old_values=old_values), header)
-    if header.encoding != "raw":
-        raise ValueError(f"unknown delta encoding {header.encoding!r} (known: 'raw', 'compact')")
-    return _write(path, raw_delta_tensors(changes, header.shapes), header)
+    codec = CODECS.get(header.encoding)
+    if codec is None:
+        raise ValueError(f"unknown delta encoding {str(header.encoding)!r} (known: {_KNOWN_ENCODINGS})")
+    return _write(path, codec.encode(changes, header.shapes, previous, old_values), header)
 
 
 def _write(path: str | os.PathLike, tensors: dict[str, torch.Tensor], header: FileHeader) -> FileHeader:
@@ -618,19 +621,7 @@ def _write(path: str | os.PathLike, tensors: dict[str, torch.Tensor], header: Fi
     return header
 
 
-def raw_delta_tensors(
-    changes: Mapping[str, SparseChange], shapes: Mapping[str, tuple[int, ...]]
-) -> dict[str, torch.Tensor]:
-    """The safetensors entries of a raw delta: `{name}.indices` and `{name}.values` per parameter."""
-    tensors = {}
-    for name, change in changes.items():
-        dtype = index_dtype(math.prod(shapes[name]))
-        tensors[name + INDICES_SUFFIX] = change.indices.to(dtype).contiguous()
-        tensors[name + VALUES_SUFFIX] = change.values.contiguous()
-    return tensors
-
-
-def read_file(path: str | os.PathLike, *, source: str | None = None, part_of: str | None = None) -> Anchor | Delta:
+def read_file(path: str | os.PathLike, *, source: str | None = None, part_of: str | None = None) -> Anchor | DeltaFile:
     """Open an anchor or a delta and check that it is well formed.
 
     This is the one gate that decides whether a file is valid. For a delta it loads every
@@ -647,7 +638,8 @@ def read_file(path: str | os.PathLike, *, source: str | None = None, part_of: st
             some of the version's elements.
 
     Returns:
-        An [`Anchor`] or a [`Delta`].
+        An [`Anchor`], or a delta: a [`Delta`] (raw), or a [`CodedDelta`] (compact) to decode
+        against the weights before it.
 
     Raises:
         FormatError: The file is not a well-formed delta-sync file; the message names the
@@ -713,29 +705,33 @@ def _check_anchor_layout(handle: safe_open, header: FileHeader) -> None:
         raise FormatError(f"{header.source}: metadata 'changed_elements' does not match the anchor's tensors")
 
 
-def _read_delta(handle: safe_open, header: FileHeader) -> Delta:
-    if header.encoding == "raw":
-        return Delta(header=header, changes=_read_raw_changes(handle, header))
-    if header.encoding == "compact":
-        return Delta(header=header, changes={}, encoded=_read_compact_entries(handle, header))
-    raise FormatError(f"{header.source}: delta encoding {header.encoding!r} is not supported (known: 'raw', 'compact')")
+def _read_delta(handle: safe_open, header: FileHeader) -> DeltaFile:
+    codec = CODECS.get(header.encoding)
+    if codec is None:
+        raise FormatError(
+            f"{header.source}: delta encoding {header.encoding!r} is not supported (known: {_KNOWN_ENCODINGS})"
+        )
+    entries = _read_entries(handle, header, codec)
+    codec.check(entries, header.shapes, header.source)
+    if codec.coded:
+        _check_payload(entries, header)
+        return CodedDelta(header=header, encoded=entries)
+    changes = codec.decode(entries, {}, header.shapes, header.source)
+    _check_count(changes, header, "the file holds")
+    _check_payload(entries, header)
+    return Delta(header=header, changes=changes)
 
 
-def _read_compact_entries(handle: safe_open, header: FileHeader) -> dict[str, torch.Tensor]:
-    from .compact import entry_names
-
-    source = header.source
+def _read_entries(handle: safe_open, header: FileHeader, codec: Codec) -> dict[str, torch.Tensor]:
+    """Every stored tensor, once the names are exactly the codec's entries of the file's parameters."""
     keys = set(handle.keys())
-    expected = {entry for name in header.shapes for entry in entry_names(name)}
+    expected = {entry for name in header.shapes for entry in codec.entry_names(name)}
     if keys != expected:
         missing, extra = sorted(expected - keys), sorted(keys - expected)
-        raise FormatError(f"{source}: tensors do not match 'changed_params' (missing {missing}, unexpected {extra})")
-    entries = {key: handle.get_tensor(key) for key in sorted(keys)}
-    for key, tensor in entries.items():
-        if tensor.dtype != torch.uint8 or tensor.dim() != 1:
-            raise FormatError(f"{source}: {key} must be 1-D uint8, got {tensor.dim()}-D {tensor.dtype}")
-    _check_payload(entries, header)
-    return entries
+        raise FormatError(
+            f"{header.source}: tensors do not match 'changed_params' (missing {missing}, unexpected {extra})"
+        )
+    return {key: handle.get_tensor(key) for key in sorted(keys)}
 
 
 def _check_payload(tensors: Mapping[str, torch.Tensor], header: FileHeader) -> None:
@@ -745,46 +741,3 @@ def _check_payload(tensors: Mapping[str, torch.Tensor], header: FileHeader) -> N
             f"{header.source}: payload digest {digest} does not match the recorded {header.payload_digest}; "
             "the file is damaged"
         )
-
-
-def _read_raw_changes(handle: safe_open, header: FileHeader) -> dict[str, SparseChange]:
-    source = header.source
-    keys = set(handle.keys())
-    expected = {name + suffix for name in header.shapes for suffix in (INDICES_SUFFIX, VALUES_SUFFIX)}
-    if keys != expected:
-        missing = sorted(expected - keys)
-        extra = sorted(keys - expected)
-        raise FormatError(f"{source}: tensors do not match 'changed_params' (missing {missing}, unexpected {extra})")
-    tensors = {key: handle.get_tensor(key) for key in sorted(keys)}
-    changes = {}
-    total = 0
-    for name, shape in header.shapes.items():
-        indices = tensors[name + INDICES_SUFFIX]
-        values = tensors[name + VALUES_SUFFIX]
-        numel = math.prod(shape)
-        if indices.dtype != index_dtype(numel) or indices.dim() != 1:
-            raise FormatError(
-                f"{source}: {name}{INDICES_SUFFIX} must be 1-D {index_dtype(numel)}, "
-                f"got {indices.dim()}-D {indices.dtype}"
-            )
-        if values.dtype != torch.bfloat16 or values.dim() != 1:
-            raise FormatError(
-                f"{source}: {name}{VALUES_SUFFIX} must be 1-D bfloat16, got {values.dim()}-D {values.dtype}"
-            )
-        if values.numel() != indices.numel():
-            raise FormatError(f"{source}: {name} has {indices.numel()} indices but {values.numel()} values")
-        if indices.numel():
-            if int(indices[0]) < 0 or int(indices[-1]) >= numel:
-                raise FormatError(
-                    f"{source}: {name}{INDICES_SUFFIX} has positions outside [0, {numel}) for shape {list(shape)}"
-                )
-            if not bool((indices[1:] > indices[:-1]).all()):
-                raise FormatError(f"{source}: {name}{INDICES_SUFFIX} is not strictly ascending")
-        total += indices.numel()
-        changes[name] = SparseChange(indices=indices, values=values)
-    if total != header.changed_elements:
-        raise FormatError(
-            f"{source}: metadata 'changed_elements' is {header.changed_elements} but the file holds {total}"
-        )
-    _check_payload(tensors, header)
-    return changes

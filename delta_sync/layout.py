@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 
 from .errors import FormatError, SignatureError
 from .signing import FileSignature, SigningKey, VerifyKey
+from .version import Identified, VersionId
 
 ANCHOR_DIR = "anchors"
 DELTA_DIR = "deltas"
@@ -104,34 +105,31 @@ MAX_LATEST_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
-class Latest:
+class Latest(Identified):
     """Contents of `latest.json`: the newest fully stored version and how to reach it.
 
     Args:
-        version: The newest version whose files are completely stored.
-        anchor_version: Version of the newest anchor at or before `version`.
+        id: The newest version whose files are completely stored: its number (`version`
+            in the file), the newest anchor at or before it (`anchor_version`), the run
+            (`run_id`) and the start of the publisher that wrote it (`epoch`, "" in files
+            written before epochs existed).
         anchor: Path of the newest anchor at or before `version`.
         delta: Path of the delta producing `version`, or None when `version` has only an anchor.
         model_checksum: Digest of the full bf16 state at `version` (see `delta_sync.integrity`).
-        run_id: Identifier of the training run that wrote the files.
-        epoch: Identifies the start of the publisher that wrote `version` ("" in files
-            written before epochs existed).
         epoch_start: The first version that start wrote: files of earlier versions are the
             run's history (any epoch); from it on, only files of `epoch` belong to the run.
             0 puts no constraint.
     """
 
-    version: int
-    anchor_version: int
+    id: VersionId
     anchor: str
     delta: str | None
     model_checksum: str
-    run_id: str
-    epoch: str = ""
     epoch_start: int = 0
 
     def _fields(self) -> dict:
-        fields = asdict(self)
+        fields = {**asdict(self.id), "anchor": self.anchor, "delta": self.delta}
+        fields.update(model_checksum=self.model_checksum, epoch_start=self.epoch_start)
         if not self.epoch:
             del fields["epoch"]
         if not self.epoch_start:
@@ -172,13 +170,15 @@ class Latest:
             raise FormatError(f"{source}: not a valid latest.json pointer (not a JSON object)")
         signature = fields.pop("signature", None)
         latest = cls(
-            version=_count(fields, "version", source),
-            anchor_version=_count(fields, "anchor_version", source),
+            id=VersionId(
+                version=_count(fields, "version", source),
+                anchor_version=_count(fields, "anchor_version", source),
+                run_id=_text(fields, "run_id", source),
+                epoch=_text(fields, "epoch", source) if "epoch" in fields else "",
+            ),
             anchor=_text(fields, "anchor", source),
             delta=None if fields.get("delta") is None else _text(fields, "delta", source),
             model_checksum=_text(fields, "model_checksum", source),
-            run_id=_text(fields, "run_id", source),
-            epoch=_text(fields, "epoch", source) if "epoch" in fields else "",
             epoch_start=_count(fields, "epoch_start", source) if "epoch_start" in fields else 0,
         )
         if verify_key is not None:

@@ -37,10 +37,12 @@ from typing import Any, Literal
 import torch
 
 from .blocks import Block
+from .changes import Encoding, SparseChange, index_dtype
 from .errors import ApplyError, FormatError, IntegrityError
-from .format import Anchor, Delta, FileHeader, SparseChange, _ClosingFile, index_dtype, read_file
+from .format import Anchor, CodedDelta, Delta, DeltaFile, FileHeader, VersionFile, read_file
 from .integrity import add_checksums, format_checksum, model_checksum, parse_checksum
 from .layout import parse_step_path
+from .version import Identified, VersionId
 
 __all__ = ["MANIFEST_FORMAT", "Manifest", "PartRecord", "PartedAnchor", "PartedDelta", "read_version"]
 
@@ -71,16 +73,13 @@ class PartRecord:
 
 
 @dataclass(frozen=True)
-class Manifest:
+class Manifest(Identified):
     """The parts of one version and what the whole version must reproduce.
 
     Args:
         kind: `"anchor"` or `"delta"`.
-        version: Model version after the version is applied.
+        id: The version after it is applied (number, anchor, run, start of the publisher).
         base_version: Version a delta applies on top of; None for anchors.
-        anchor_version: The anchor this version descends from (an anchor's own version).
-        run_id: The training run.
-        epoch: The start of the publisher that wrote the version.
         encoding: Encoding of the delta parts (`"dense"` for anchors).
         world_size: Ranks of the trainer that wrote the parts.
         parts: The parts, by rank.
@@ -93,11 +92,8 @@ class Manifest:
     """
 
     kind: Literal["anchor", "delta"]
-    version: int
+    id: VersionId
     base_version: int | None
-    anchor_version: int
-    run_id: str
-    epoch: str
     encoding: str
     world_size: int
     parts: tuple[PartRecord, ...]
@@ -113,11 +109,11 @@ class Manifest:
             "format": MANIFEST_FORMAT,
             "format_version": MANIFEST_FORMAT_VERSION,
             "kind": self.kind,
-            "model_version": self.version,
+            "model_version": self.id.version,
             "base_version": self.base_version,
-            "anchor_version": self.anchor_version,
-            "run_id": self.run_id,
-            "epoch": self.epoch,
+            "anchor_version": self.id.anchor_version,
+            "run_id": self.id.run_id,
+            "epoch": self.id.epoch,
             "encoding": self.encoding,
             "world_size": self.world_size,
             "parts": [{key: value for key, value in vars(part).items() if value is not None} for part in self.parts],
@@ -155,11 +151,13 @@ class Manifest:
             raise FormatError(f"{source}: 'kind' must be 'anchor' or 'delta', got {kind!r}")
         manifest = cls(
             kind=kind,
-            version=reader.count("model_version"),
+            id=VersionId(
+                version=reader.count("model_version"),
+                anchor_version=reader.count("anchor_version"),
+                run_id=reader.text("run_id"),
+                epoch=reader.text("epoch"),
+            ),
             base_version=reader.count("base_version") if kind == "delta" else None,
-            anchor_version=reader.count("anchor_version"),
-            run_id=reader.text("run_id"),
-            epoch=reader.text("epoch"),
             encoding=reader.text("encoding"),
             world_size=reader.count("world_size"),
             parts=tuple(reader.parts()),
@@ -258,12 +256,9 @@ def _header(manifest: Manifest, source: str) -> FileHeader:
     return FileHeader(
         source=source,
         kind=manifest.kind,
-        version=manifest.version,
+        id=manifest.id,
         base_version=manifest.base_version,
-        anchor_version=manifest.anchor_version,
         encoding=manifest.encoding,
-        run_id=manifest.run_id,
-        epoch=manifest.epoch,
         shapes=dict(manifest.shapes),
         checksums=dict(manifest.checksums),
         base_checksums=dict(manifest.base_checksums),
@@ -275,7 +270,7 @@ def _header(manifest: Manifest, source: str) -> FileHeader:
 
 def read_version(
     manifest: Manifest, parts: Sequence[tuple[PartRecord, str | os.PathLike]], *, source: str, base_url: str = ""
-) -> Anchor | Delta:
+) -> Anchor | DeltaFile:
     """Read every part of a version and check that together they are the version the
     manifest describes; the result is applied like a single file.
 
@@ -297,7 +292,7 @@ def read_version(
     """
     if sorted(record.path for record, _ in parts) != sorted(record.path for record in manifest.parts):
         raise FormatError(f"{source}: the parts given are not the manifest's parts")
-    files: list[Anchor | Delta] = []
+    files: list[Anchor | DeltaFile] = []
     try:
         for record, local in parts:
             file = read_file(local, source=f"{base_url}/{record.path}" if base_url else record.path, part_of=source)
@@ -305,8 +300,8 @@ def read_version(
             _check_part(manifest, record, file.header, source)
         if manifest.kind == "delta":
             header = _header(manifest, source)
-            if manifest.encoding == "compact":
-                return PartedDelta(header=header, changes={}, parts=_check_disjoint(files, source))
+            if manifest.encoding == Encoding.COMPACT:
+                return PartedDelta(header=header, parts=_check_disjoint(files, source))
             changes = _merge_changes([file.changes for file in files], header)
             return Delta(header=header, changes=changes)
         anchor = PartedAnchor(header=_header(manifest, source), parts=files)
@@ -319,22 +314,17 @@ def read_version(
 
 
 def _check_part(manifest: Manifest, record: PartRecord, header: FileHeader, source: str) -> None:
-    expected = {
-        "kind": manifest.kind,
-        "version": manifest.version,
-        "base_version": manifest.base_version,
-        "anchor_version": manifest.anchor_version,
-        "run_id": manifest.run_id,
-        "epoch": manifest.epoch,
-        "encoding": manifest.encoding,
-        "part": (record.rank, manifest.world_size),
-        "payload_digest": record.payload_xxh3,
-    }
-    for attribute, value in expected.items():
-        if getattr(header, attribute) != value:
-            raise FormatError(
-                f"{header.source}: its {attribute} is {getattr(header, attribute)!r}, but {source} records {value!r}"
-            )
+    checks = (
+        ("version", header.id, manifest.id),
+        ("kind", header.kind, manifest.kind),
+        ("base_version", header.base_version, manifest.base_version),
+        ("encoding", header.encoding, manifest.encoding),
+        ("part", header.part, (record.rank, manifest.world_size)),
+        ("payload_digest", header.payload_digest, record.payload_xxh3),
+    )
+    for what, found, recorded in checks:
+        if found != recorded:
+            raise FormatError(f"{header.source}: its {what} is {found!r}, but {source} records {recorded!r}")
     for name, shape in header.shapes.items():
         if manifest.shapes.get(name) != shape:
             raise FormatError(f"{header.source}: parameter {name!r} is not in {source} with shape {list(shape)}")
@@ -367,7 +357,7 @@ def _merge_changes(parts: Sequence[Mapping[str, SparseChange]], header: FileHead
     return merged
 
 
-def _check_disjoint(parts: list[Delta], source: str) -> list[Delta]:
+def _check_disjoint(parts: list[CodedDelta], source: str) -> list[CodedDelta]:
     """Compact parts (`_check_part` saw their encoding), each coded in its own blocks: no two
     blocks of a parameter share an element."""
     blocks: dict[str, list[Block]] = {}
@@ -381,21 +371,17 @@ def _check_disjoint(parts: list[Delta], source: str) -> list[Delta]:
 
 
 @dataclass
-class PartedDelta(Delta):
+class PartedDelta(DeltaFile):
     """A compact delta written in parts, each coded in its rank's blocks; decoded, it is
     applied like a single file.
 
     Args:
         header: The whole version's header (from the manifest).
-        changes: Empty until decoded.
         parts: The compact delta parts, read and checked.
     """
 
-    parts: list[Delta] = field(default_factory=list)
-
-    @property
-    def coded(self) -> bool:
-        return True
+    header: FileHeader
+    parts: list[CodedDelta]
 
     def decoded(self, previous: Mapping[str, torch.Tensor]) -> Delta:
         """The version's changes: each part decoded against its blocks of `previous` (the
@@ -434,7 +420,7 @@ class PartedDelta(Delta):
 
 
 @dataclass
-class PartedAnchor(_ClosingFile):
+class PartedAnchor(VersionFile):
     """An anchor written in parts: each parameter is put together from the parts' blocks
     when asked for. Same interface as [`Anchor`].
 

@@ -49,6 +49,7 @@ from trl import GRPOConfig, GRPOTrainer
 from delta_sync import DeltaSyncCallback, Receiver, expected_shapes_of, module_weight_loader
 from delta_sync.integrity import model_checksum, tensor_checksum
 from delta_sync.layout import step_versions
+from delta_sync.signing import SigningKey
 
 PROMPTS = [
     f"{subject} {verb} the"
@@ -70,11 +71,19 @@ class ReplicaCheck(TrainerCallback):
         self.sync = sync
         self.bucket = bucket
         self.replica = replica
+        # The trainer signs with DELTA_SYNC_SIGNING_KEY (or signing_key=) when one is set: the
+        # replica then checks every signature with the matching public key.
+        key = sync.config.signing_key
+        signing_key = SigningKey.load(key) if key else SigningKey.from_env()
         self.receiver = Receiver(
-            load_weights=module_weight_loader(replica), expected_shapes=expected_shapes_of(replica)
+            load_weights=module_weight_loader(replica),
+            expected_shapes=expected_shapes_of(replica),
+            verify_key=signing_key.verify_key if signing_key else None,
         )
         self.checked: list[tuple[int, bool]] = []
         self.server_checked: list[tuple[int, bool]] = []
+        #: (version, error) for every version a server refused or failed to reach.
+        self.server_refused: list[tuple[int, str]] = []
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         version = state.global_step
@@ -105,11 +114,17 @@ class ReplicaCheck(TrainerCallback):
     def _check_server(self, version: int, trainer_bits: dict[str, torch.Tensor]) -> None:
         expected = model_checksum({name: tensor_checksum(bits) for name, bits in trainer_bits.items()})
         behind = self.sync.replicas.wait(version, timeout=600)
+        if behind:  # it refused the update (or never answered): nothing to compare
+            for state in behind:
+                error = state.error or f"still at version {state.version} after 600 s"
+                self.server_refused.append((version, f"{state.url}: {error}"))
+                logging.error("vLLM server did not take version %d: %s: %s", version, state.url, error)
+            return
         served = [state.model_checksum for state in self.sync.replicas.states.values()]
-        exact = not behind and all(checksum == expected for checksum in served)
+        exact = all(checksum == expected for checksum in served)
         self.server_checked.append((version, exact))
         if not exact:
-            logging.error("vLLM server differs from the trainer at version %d: %s", version, behind or served)
+            logging.error("vLLM server differs from the trainer at version %d: %s", version, served)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -144,7 +159,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-dir", default=None, help="trainer output directory (default: a temporary one)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--keep-existing", action="store_true", help="refuse to start if the bucket holds another run's files"
+        "--overwrite",
+        action="store_true",
+        help="delete another run's files found in the bucket (default: refuse to start, as the library does)",
     )
     return parser.parse_args(argv)
 
@@ -164,6 +181,16 @@ def load_models(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.nn.Mod
     torch.manual_seed(args.seed + 1)  # random weights: the replica only matches once the first anchor lands
     replica = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model), dtype=torch.bfloat16)
     return model, replica, tokenizer
+
+
+def server_verdict(check: ReplicaCheck) -> str:
+    """`yes` when every version the server took matched the trainer, `no` when one diverged;
+    a server that refused every update was never compared."""
+    if any(not ok for _, ok in check.server_checked):
+        return "no (diverged)"
+    if not check.server_checked:
+        return "not compared (it took no version)"
+    return "yes" if not check.server_refused else "yes, for the versions it took"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         anchor_every=args.anchor_every,
         encoding=args.encoding,
         keep_anchors=args.keep_anchors,
-        overwrite=not args.keep_existing,
+        overwrite=args.overwrite,
         max_staleness=args.max_staleness,
     )
     check = ReplicaCheck(sync, args.bucket, replica)
@@ -230,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     exact = bool(check.checked) and all(ok for _, ok in check.checked)
     if args.vllm_url:
         exact = exact and bool(check.server_checked) and all(ok for _, ok in check.server_checked)
+        exact = exact and not check.server_refused
     rows = [
         ("steps", f"{trainer.state.global_step}"),
         ("versions published", f"{len(reports)}"),
@@ -243,9 +271,16 @@ def main(argv: list[str] | None = None) -> int:
         *(
             [
                 ("vLLM server checks", f"{len(check.server_checked)}"),
-                (
-                    "vLLM server bit-exact",
-                    "yes" if check.server_checked and all(ok for _, ok in check.server_checked) else "no",
+                ("vLLM server bit-exact", server_verdict(check)),
+                *(
+                    [
+                        (
+                            "vLLM server refused",
+                            f"{len(check.server_refused)} update(s); first: {check.server_refused[0][1]}",
+                        )
+                    ]
+                    if check.server_refused
+                    else []
                 ),
             ]
             if args.vllm_url

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["build_tiny_model", "build_tokenizer"]
+__all__ = ["build_tiny_model", "build_tokenizer", "tiny_qwen3_config"]
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -70,6 +70,35 @@ def build_tokenizer(vocab_size: int = 512, seed: int = 0):
     return wrapped
 
 
+def tiny_qwen3_config(
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    intermediate_size: int | None = None,
+    num_layers: int = 2,
+    head_dim: int = 64,
+    **fields,
+):
+    """The `transformers.Qwen3Config` of a tiny model: two attention heads sharing one KV
+    head, untied embeddings, the MLP twice as wide unless `intermediate_size` says otherwise.
+
+    `fields` are more `Qwen3Config` arguments (e.g. `max_position_embeddings`).
+    """
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size if intermediate_size is None else intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=head_dim,
+        tie_word_embeddings=False,
+        **fields,
+    )
+
+
 def build_tiny_model(
     save_dir: str | os.PathLike | None = None,
     *,
@@ -106,19 +135,14 @@ def build_tiny_model(
         427264
         ```
     """
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
     tokenizer = build_tokenizer(vocab_size, seed)
-    config = Qwen3Config(
+    config = tiny_qwen3_config(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
+        num_layers=num_layers,
         max_position_embeddings=2048,
-        tie_word_embeddings=False,
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
         initializer_range=0.1,

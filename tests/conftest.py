@@ -145,26 +145,25 @@ VLLM_HF_BUCKET = "user/vllm-e2e"
 def vllm_server(served_model, bucket_root, hub_server, tmp_path_factory):
     from bucket_fixtures import HF_TOKEN, XET_RETRY_ENV
 
-    from vllm_server import VLLMServer
+    from vllm_server import serving
 
     logs = tmp_path_factory.mktemp("vllm")
-    server = VLLMServer(
+    with serving(
         served_model,
+        logs,
         allowed_buckets=f"{bucket_root.as_uri()},hf://buckets/{VLLM_HF_BUCKET}",
-        log_path=logs / "server.log",
-        cache_dir=logs / "cache",
         # The replica reaches the Hugging Face bucket through the Hub test double, like a user's would.
         extra_env={
             "HF_ENDPOINT": hub_server.endpoint,
             "HF_TOKEN": HF_TOKEN,
             "HF_XET_CACHE": str(logs / "xet"),
             "DELTA_SYNC_RETRY_SECONDS": "10",
+            # Prefetch on hints only, so that a test decides when a version is prepared.
+            "DELTA_SYNC_PREFETCH": "3600",
             **XET_RETRY_ENV,
         },
-    )
-    server.start()
-    yield server
-    server.stop()
+    ) as server:
+        yield server
 
 
 @pytest.fixture

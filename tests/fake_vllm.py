@@ -1,7 +1,7 @@
 """A test double for a vLLM server's weight-update routes.
 
 A real `vllm serve` takes about a minute to start, so the unit tests of the trainer's
-control plane (`delta_sync.trainer.replicas`) talk to this small stdlib HTTP server
+control plane (`delta_sync.control.client`, `delta_sync.trainer.replicas`) talk to this small stdlib HTTP server
 instead. It answers the routes of `delta_sync.control.Route` as vLLM 0.32 does with
 `VLLM_SERVER_DEV_MODE=1` and the `delta` weight-transfer engine:
 
@@ -30,14 +30,16 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from delta_sync import Receiver
-from delta_sync.control import STATUS_METHOD, ReplicaStatus, Route, UpdateInfo
+from delta_sync.control import PREFETCH_METHOD, STATUS_METHOD, ReplicaStatus, Route, UpdateInfo
 from delta_sync.errors import DeltaSyncError
 from delta_sync.storage.cache import DownloadCache
+
+from helpers import LoopbackHTTPServer
 
 PAUSE_MODES = ("abort", "wait", "keep")
 
@@ -77,7 +79,7 @@ class Call:
     status: int
 
 
-class FakeVLLM:
+class FakeVLLM(LoopbackHTTPServer):
     """The fake vLLM server, on 127.0.0.1 on a free port, from a thread of this process.
 
     Args:
@@ -105,45 +107,22 @@ class FakeVLLM:
         self.faults: list[Fault] = []
         self.calls: list[Call] = []
         self._worker_fields: dict[int, dict[str, Any]] = {}
-        self._httpd: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
-        self.port = 0
 
-    # -- lifecycle ----------------------------------------------------------------------------
+    # -- lifecycle (start, stop, url: LoopbackHTTPServer) -------------------------------------
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    thread_name = "fake-vllm"
+    poll_interval = 0.05
 
-    def start(self) -> FakeVLLM:
+    def handler(self) -> type[_Handler]:
         server = self
 
         class Handler(_Handler):
             fake = server
 
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._httpd.daemon_threads = True
-        self.port = self._httpd.server_address[1]
-        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.05,), name="fake-vllm", daemon=True)
-        self._thread.start()
-        return self
+        return Handler
 
-    def stop(self) -> None:
-        """Stop serving: the port then refuses connections, like a dead server."""
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            self._httpd = None
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
+    def cleanup(self) -> None:
         shutil.rmtree(self._cache_dir, ignore_errors=True)
-
-    def __enter__(self) -> FakeVLLM:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     # -- test controls ------------------------------------------------------------------------
 
@@ -172,9 +151,14 @@ class FakeVLLM:
             self.updating = True
 
     def routes(self) -> list[str]:
-        """The routes called so far, in order."""
+        """The routes called so far, in order, less the prefetch hints ([`hints`])."""
         with self.lock:
-            return [call.route for call in self.calls]
+            return [call.route for call in self.calls if not _is_hint(call)]
+
+    def hints(self) -> list[dict[str, Any]]:
+        """The kwargs of every prefetch hint (`/collective_rpc` `PREFETCH_METHOD`) received."""
+        with self.lock:
+            return [call.body.get("kwargs", {}) for call in self.calls if _is_hint(call)]
 
     def update_infos(self) -> list[dict[str, Any]]:
         """The `update_info` of every `/update_weights` request answered with 200."""
@@ -186,13 +170,9 @@ class FakeVLLM:
     def worker_statuses(self) -> list[dict[str, Any]]:
         """What `/collective_rpc` [`STATUS_METHOD`] answers: one status per worker."""
         served = self.receiver.serving  # as the real worker reports: what the model holds
-        genuine = ReplicaStatus(
-            version=served.version,
-            anchor_version=served.anchor_version,
-            run_id=served.run_id,
-            model_checksum=served.model_checksum,
-            pending=0,  # nothing to load: the snapshot is the served model
-            updating=self.updating,
+        # pending=0: nothing to load, the snapshot is the served model
+        genuine = ReplicaStatus.of(
+            served, updating=self.updating, prepared_version=self.receiver.prepared_version
         ).to_dict()
         return [{**genuine, **self._worker_fields.get(i, {})} for i in range(self.workers)]
 
@@ -250,6 +230,10 @@ class FakeVLLM:
     def collective_rpc(self, body: Any, params: dict[str, str]) -> dict[str, Any]:
         if not isinstance(body, dict) or body.get("method") is None:
             raise _HttpError(400, "Missing 'method' in request body")
+        if body["method"] == PREFETCH_METHOD:
+            # Its snapshot is its model's own: it prepares nothing ahead, as a real worker with
+            # a private snapshot answers.
+            return {"results": [{"prefetching": False, **status} for status in self.worker_statuses()]}
         if body["method"] != STATUS_METHOD:
             raise _HttpError(500, f"'Worker' object has no attribute '{body['method']}'")
         return {"results": self.worker_statuses()}
@@ -315,3 +299,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+
+def _is_hint(call: Any) -> bool:
+    return (
+        call.route == Route.COLLECTIVE_RPC
+        and isinstance(call.body, dict)
+        and call.body.get("method") == PREFETCH_METHOD
+    )

@@ -39,9 +39,11 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlencode, urlsplit
+
+from helpers import LoopbackHTTPServer
 
 EMPTY_XET_HASH = "0" * 64
 
@@ -126,7 +128,7 @@ class Request:
     time: float = field(default_factory=time.time)
 
 
-class HubServer:
+class HubServer(LoopbackHTTPServer):
     """The fake Hub, serving on 127.0.0.1 on a free port from a thread of this process.
 
     Args:
@@ -157,44 +159,26 @@ class HubServer:
         self.requests: list[Request] = []
         self._shards_read: set[str] = set()
         self._sizes: dict[str, int] = {EMPTY_XET_HASH: 0}
-        self._httpd: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
-        self.port = 0
 
-    # -- lifecycle ----------------------------------------------------------------------------
+    # -- lifecycle (start, stop, url: LoopbackHTTPServer) -------------------------------------
+
+    thread_name = "hub-server"
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        """The `HF_ENDPOINT` that reaches this server."""
+        return self.url
 
-    def start(self) -> HubServer:
+    def handler(self) -> type[_Handler]:
         hub = self
 
         class Handler(_Handler):
             server_hub = hub
 
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._httpd.daemon_threads = True
-        self.port = self._httpd.server_address[1]
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="hub-server", daemon=True)
-        self._thread.start()
-        return self
+        return Handler
 
-    def stop(self) -> None:
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            self._httpd = None
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
+    def cleanup(self) -> None:
         shutil.rmtree(self.data_dir, ignore_errors=True)
-
-    def __enter__(self) -> HubServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     # -- test controls ------------------------------------------------------------------------
 

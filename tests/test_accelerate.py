@@ -9,7 +9,6 @@ single process (without an MPI hostfile), whatever `num_processes` says.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,14 +21,9 @@ from delta_sync import BF16ChangeDetector, DeltaSyncCallback, verify_bucket
 from delta_sync.errors import UnsupportedLayoutError
 
 from conftest import TwoTower
+from helpers import free_port
 
 SCRIPTS = Path(__file__).parent / "distributed"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def accelerate_config(path: Path, processes: int) -> Path:

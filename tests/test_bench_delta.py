@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from vllm_server import REPO
+from helpers import REPO
 
 SUMMARY_KEYS = {
     "entropy_bound_B",

@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from vllm_server import REPO
+from helpers import REPO
 
 
 def test_benchmark_runs_and_writes_its_table(tmp_path):

@@ -10,7 +10,7 @@ the real client stands in for the network, and the test says so.
 
 from __future__ import annotations
 
-import socket
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,16 +30,10 @@ from delta_sync.layout import LATEST, anchor_path, delta_path
 from delta_sync.replica.verify import verify_bucket
 
 from conftest import PublishedRun, bits, replica_receiver
+from helpers import free_port
 
 #: Generous upper bound for an operation that exhausts the tests' 4-second retry budget.
 GIVE_UP_SECONDS = 30
-
-
-def closed_port() -> int:
-    """A loopback port with nothing listening on it."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def assert_state(expected: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> None:
@@ -55,7 +49,7 @@ def test_hf_missing_bucket_is_named(hf_target):
     for call in (bucket.list, lambda: bucket.read_bytes(LATEST), lambda: bucket.upload(LATEST, b"{}")):
         with pytest.raises(BucketNotFoundError, match="user/never-created"):
             call()
-    with pytest.raises(BucketNotFoundError):
+    with pytest.raises(BucketNotFoundError, match="bucket user/never-created not found"):
         Receiver().update("hf://buckets/user/never-created/run")
 
 
@@ -97,7 +91,7 @@ def test_hf_persistent_failure_is_bounded_and_the_next_version_recovers(hf_targe
     run = PublishedRun(hf_target.url, versions=2, anchor_every=10)
     hub.add_fault(503, count=None, path="/batch$", retry_after=0)
     started = time.monotonic()
-    with pytest.raises(PublishError) as caught:
+    with pytest.raises(PublishError, match=re.escape(delta_path(3)) + "'?: still failing after") as caught:
         run.step()
     assert time.monotonic() - started < GIVE_UP_SECONDS
     assert isinstance(caught.value.__cause__, BucketUnavailableError)
@@ -114,7 +108,7 @@ def test_hf_persistent_failure_is_bounded_and_the_next_version_recovers(hf_targe
 
 
 def test_hf_connection_refused_is_bounded(hf_target, monkeypatch):
-    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     bucket = open_bucket(hf_target.url)
     started = time.monotonic()
     with pytest.raises(BucketUnavailableError, match="upload 'latest.json'"):
@@ -158,7 +152,7 @@ def test_s3_create_option_creates_the_bucket(s3_target):
 
 
 def test_s3_connection_refused_is_bounded(s3_target, monkeypatch):
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed_port()}")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     bucket = open_bucket(s3_target.url)
     for call in (lambda: bucket.upload(LATEST, b"{}"), lambda: Receiver().update(bucket)):
         started = time.monotonic()
@@ -207,7 +201,7 @@ def test_s3_retried_conditional_write_recognises_its_own_earlier_success(s3_targ
     bucket._client.meta.events.register("after-call.s3.PutObject", drop_answer)
     bucket.upload(delta_path(2), b"version two", overwrite=False)
     assert dropped == [200] and bucket.read_bytes(delta_path(2)) == b"version two"
-    with pytest.raises(BucketConflictError):
+    with pytest.raises(BucketConflictError, match=re.escape(f"'{delta_path(2)}' already exists")):
         bucket.upload(delta_path(2), b"someone else's version two", overwrite=False)
 
 
@@ -240,7 +234,7 @@ def test_s3_multipart_conditional_write(s3_target, tmp_path):
     bucket.upload(anchor_path(1), source, overwrite=False)  # its own: accepted
     other = tmp_path / "other.bin"
     other.write_bytes(b"x" * (6 << 20))
-    with pytest.raises(BucketConflictError):
+    with pytest.raises(BucketConflictError, match=re.escape(f"'{anchor_path(1)}' already exists")):
         bucket.upload(anchor_path(1), other, overwrite=False)
     bucket.download(anchor_path(1), tmp_path / "back.bin")
     assert (tmp_path / "back.bin").read_bytes() == source.read_bytes()

@@ -11,7 +11,6 @@ import re
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,17 +21,13 @@ from delta_sync.layout import LATEST, anchor_path, delta_path, step_versions
 from delta_sync.replica.verify import verify_bucket
 from delta_sync.storage.cache import DownloadCache
 
+import helpers
 from conftest import PublishedRun, TwoTower, bf16_state, bits, replica_receiver, train_step
 
 
 def cli(target, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "delta_sync.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=target.subprocess_env(),
-    )
+    """The command line, run with the environment that reaches the target's bucket."""
+    return helpers.cli(*args, env=target.subprocess_env())
 
 
 def assert_state(expected: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> None:
@@ -61,7 +56,7 @@ def test_round_trip(bucket_target, tmp_path):
     assert sorted(p.name for p in dest.parent.iterdir()) == ["anchor.bin"]  # no temporary files left
     bucket.delete(["deltas/step_00000002.safetensors", "deltas/step_00000099.safetensors"])  # missing: ignored
     assert bucket.list("deltas") == []
-    with pytest.raises(BucketFileNotFoundError):
+    with pytest.raises(BucketFileNotFoundError, match=re.escape("no file 'deltas/step_00000002.safetensors'")):
         bucket.read_bytes("deltas/step_00000002.safetensors")
 
 
@@ -70,7 +65,7 @@ def test_overwrite_false_refuses_other_content_but_accepts_its_own(bucket_target
     path = delta_path(3)
     bucket.upload(path, b"first writer", overwrite=False)
     bucket.upload(path, b"first writer", overwrite=False)  # a retry meeting its own earlier write
-    with pytest.raises(BucketConflictError) as caught:
+    with pytest.raises(BucketConflictError, match=re.escape(f"'{path}' already exists")) as caught:
         bucket.upload(path, b"second writer", overwrite=False)
     assert bucket_target.url in str(caught.value) and path in str(caught.value)
     assert bucket.read_bytes(path) == b"first writer"
@@ -89,7 +84,7 @@ def test_two_publishers_on_one_prefix_cannot_overwrite_each_other(bucket_target)
     train_step(model_a, opt_a, seed=1)
     first.publish(1)
     train_step(model_b, opt_b, seed=2)
-    with pytest.raises(PublishError) as caught:
+    with pytest.raises(PublishError, match=re.escape(f"'{anchor_path(1)}' already exists")) as caught:
         second.publish(1)
     assert isinstance(caught.value.__cause__, BucketConflictError)
     assert anchor_path(1) in str(caught.value)
@@ -124,18 +119,19 @@ def test_a_reader_never_sees_a_partial_file(bucket_target, tmp_path):
 def test_paths_that_escape_the_prefix_are_refused(bucket_target, tmp_path):
     bucket = open_bucket(bucket_target.url)
     for bad in ("../escape.bin", "/etc/passwd", "anchors/../../x", "a//b", "", "a\\b"):
-        with pytest.raises(BucketPathError):
+        named = re.escape(repr(bad))  # every refusal names the path it refuses
+        with pytest.raises(BucketPathError, match=named):
             bucket.upload(bad, b"x")
-        with pytest.raises(BucketPathError):
+        with pytest.raises(BucketPathError, match=named):
             bucket.read_bytes(bad)
-        with pytest.raises(BucketPathError):
+        with pytest.raises(BucketPathError, match=named):
             bucket.download(bad, tmp_path / "x")
-    with pytest.raises(BucketPathError):
+    with pytest.raises(BucketPathError, match=re.escape("path '../x' must not contain '..'")):
         bucket.delete(["../x"])
-    with pytest.raises(BucketPathError):
+    with pytest.raises(BucketPathError, match=re.escape("path '../' must not contain '..'")):
         bucket.list("../")
     if bucket_target.kind != "local":
-        with pytest.raises(BucketPathError):
+        with pytest.raises(BucketPathError, match=re.escape("/../other-run' must not contain '..'")):
             open_bucket(bucket_target.url + "/../other-run")
 
 
@@ -147,7 +143,7 @@ def test_a_missing_file_error_names_bucket_and_path(bucket_target, tmp_path):
         lambda: bucket.download(path, tmp_path / "dest" / "file"),
         lambda: DownloadCache(tmp_path / "cache").fetch(bucket, path),
     ):
-        with pytest.raises(BucketFileNotFoundError) as caught:
+        with pytest.raises(BucketFileNotFoundError, match=re.escape(f"no file '{path}'")) as caught:
             call()
         assert bucket_target.url in str(caught.value) and path in str(caught.value)
     # Nothing partial is left behind, neither at the destination nor in the cache.
@@ -305,8 +301,7 @@ def test_requests_and_bytes_per_step(bucket_target, capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize("bucket_target", ["hf", "s3"], indirect=True)
 def test_the_example_takes_a_bucket_url(bucket_target):
-    repo = Path(__file__).resolve().parents[1]
-    env = {**bucket_target.subprocess_env(), "PYTHONPATH": str(repo)}
+    env = {**bucket_target.subprocess_env(), "PYTHONPATH": str(helpers.REPO)}
     result = subprocess.run(
         [
             sys.executable,
@@ -318,7 +313,7 @@ def test_the_example_takes_a_bucket_url(bucket_target):
             "--anchor-every",
             "2",
         ],
-        cwd=repo,
+        cwd=helpers.REPO,
         env=env,
         capture_output=True,
         text=True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import re
 import traceback
 
 import pytest
@@ -35,7 +36,7 @@ def test_a_fetched_file_survives_a_siblings_prune_until_released(s3_target, tmp_
     # Fetched again after the prune: downloaded again.
     assert reader.fetch(bucket, delta_path(2)).read_bytes() == bucket.read_bytes(delta_path(2))
     # A file the bucket lacks leaves no lock file behind; neither does a download that died.
-    with pytest.raises(BucketFileNotFoundError):
+    with pytest.raises(BucketFileNotFoundError, match=re.escape(f"no file '{delta_path(9)}'")):
         reader.fetch(bucket, delta_path(9))
     left_by_a_crash = local.with_name("step_00000003.safetensors.lock")
     left_by_a_crash.touch()

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
-from delta_sync import DeltaSyncCallback
+from delta_sync import DeltaSyncCallback, DeltaSyncConfig
+from delta_sync.changes import Encoding
+from delta_sync.control.client import PauseMode, ReplicaOptions
 from delta_sync.trainer import trl_vllm
+from delta_sync.trainer.publisher import PublisherOptions
 
 from conftest import TwoTower, train_step
 
@@ -73,7 +77,7 @@ def test_the_trl_patch_refuses_other_releases(monkeypatch, version):
     import trl
 
     monkeypatch.setattr(trl, "__version__", version)
-    with pytest.raises(ImportError) as error:
+    with pytest.raises(ImportError, match=re.escape(f"trl {version} is installed")) as error:
         trl_vllm.claim(torch.nn.Linear(2, 2), Owner())
     message = str(error.value)
     assert f"trl {version} is installed" in message
@@ -93,3 +97,35 @@ def test_a_claimed_generator_connects_without_nccl_and_syncs_through_its_owner(m
     assert owner.generation is generation
     generation.sync_weights()
     assert owner.syncs == 1
+
+
+def test_the_config_keeps_its_defaults_and_hands_on_typed_options():
+    config = DeltaSyncConfig()
+    assert (config.encoding, config.vllm_pause_mode) == ("raw", "keep")  # the documented defaults
+    assert config.publisher_options == PublisherOptions()
+    assert config.replica_options == ReplicaOptions()
+    config = DeltaSyncConfig(
+        anchor_every=5, encoding="compact", vllm_pause_mode="abort", vllm_request_timeout=9.0, vllm_token="t"
+    )
+    assert config.encoding is Encoding.COMPACT and config.vllm_pause_mode is PauseMode.ABORT
+    assert config.publisher_options == PublisherOptions(anchor_every=5, encoding=Encoding.COMPACT)
+    assert config.replica_options == ReplicaOptions(timeout=9.0, pause_mode=PauseMode.ABORT, token="t")
+    assert DeltaSyncConfig(vllm_pause_mode=None).replica_options.pause_mode is None
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"anchor_every": 0}, "anchor_every must be >= 1, got 0"),
+        ({"anchor_bytes_ratio": -1.0}, "anchor_bytes_ratio must be > 0 or None"),
+        ({"encoding": "zip"}, "encoding must be 'raw' or 'compact', got 'zip'"),
+        ({"vllm_pause_mode": "later"}, "pause_mode must be 'keep', 'wait', 'abort' or None, got 'later'"),
+        ({"vllm_retry_seconds": -1.0}, "retry_seconds must be >= 0, got -1.0"),
+        ({"vllm_request_timeout": 0.0}, "timeout must be > 0, got 0.0"),
+    ],
+)
+def test_the_config_checks_every_option_when_made(options, match):
+    with pytest.raises(ValueError, match=match):
+        DeltaSyncConfig(**options)
+    with pytest.raises(ValueError, match=match):
+        DeltaSyncCallback(**options)

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import re
 
 import pytest
 
 from conftest import PublishedRun
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "delta_sync.cli", *args], capture_output=True, text=True, timeout=120)
+from helpers import cli
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +76,30 @@ def test_verify_fails_when_a_delta_is_missing(bucket, tmp_path):
     result = cli("verify", str(broken))
     assert result.returncode == 1
     assert "applies on top of version 5, but version 4 is held" in result.stdout
+
+
+@pytest.mark.parametrize("made", ["missing", "empty", "not a bucket"])
+def test_verify_fails_on_a_path_that_holds_no_bucket(tmp_path, made):
+    path = tmp_path / "nope"
+    if made != "missing":
+        path.mkdir()
+    if made == "not a bucket":
+        (path / "notes.txt").write_text("hello")
+    result = cli("verify", str(path))
+    assert result.returncode == 1, result.stdout
+    assert "holds no bucket" in result.stdout
+    assert "verification FAILED (no latest.json, nothing replayed)" in result.stdout
+    assert "None" not in result.stdout
+
+
+def test_verify_fails_on_stored_versions_that_were_never_published(bucket, tmp_path):
+    import shutil
+
+    unpublished = tmp_path / "unpublished"
+    shutil.copytree(bucket, unpublished)
+    (unpublished / "latest.json").unlink()
+    result = cli("verify", str(unpublished))
+    assert result.returncode == 1
+    assert re.search(
+        r"FAIL  latest.json: absent: no version is published yet \(\d+ version file\(s\) stored", result.stdout
+    )

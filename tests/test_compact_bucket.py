@@ -53,7 +53,7 @@ def test_a_damaged_compact_delta_changes_nothing(tmp_path):
     data = bytearray(path.read_bytes())
     data[-5] ^= 0x10
     path.write_bytes(bytes(data))
-    with pytest.raises(FormatError):
+    with pytest.raises(FormatError, match=r"deltas/step_00000003\.safetensors: payload digest .* does not match"):
         receiver.update(tmp_path, delta_path(3))
     assert receiver.version == 2
     for name, tensor in before.items():
@@ -65,9 +65,10 @@ def test_the_example_trains_with_the_compact_encoding(tmp_path):
     import re
     import subprocess
     import sys
-    from pathlib import Path
 
-    example = Path(__file__).parents[1] / "examples" / "grpo_delta_sync.py"
+    from helpers import REPO
+
+    example = REPO / "examples" / "grpo_delta_sync.py"
     bucket = tmp_path / "deltas"
     result = subprocess.run(
         [sys.executable, str(example), "--bucket", str(bucket), "--steps", "4", "--encoding", "compact"],
@@ -84,18 +85,14 @@ def test_the_example_trains_with_the_compact_encoding(tmp_path):
 
 def test_inspect_decodes_a_compact_delta_as_a_raw_one(tmp_path):
     import json
-    import subprocess
-    import sys
+
+    from helpers import cli
 
     publish(tmp_path / "compact", "compact")
     publish(tmp_path / "raw", "raw")
 
     def decoded(root):
-        result = subprocess.run(
-            [sys.executable, "-m", "delta_sync.cli", "inspect", str(root / delta_path(3)), "--decode"],
-            capture_output=True,
-            text=True,
-        )
+        result = cli("inspect", str(root / delta_path(3)), "--decode")
         assert result.returncode == 0, result.stderr
         return [json.loads(line) for line in result.stdout.splitlines()]
 

@@ -16,7 +16,7 @@ from test_format import delta_header
 
 from delta_sync.blocks import Block
 from delta_sync.errors import ApplyError, FormatError
-from delta_sync.format import Delta, FileHeader, SparseChange, read_file, write_delta
+from delta_sync.format import CodedDelta, FileHeader, SparseChange, read_file, write_delta
 from delta_sync.manifest import Manifest, PartedDelta, PartRecord, read_version
 
 SHAPE = (7, 6)
@@ -67,11 +67,8 @@ def write_parts(tmp_path, before, after, blocks, *, encoding="compact", world=No
         total += len(local)
     manifest = Manifest(
         kind="delta",
-        version=2,
+        id=whole.id,
         base_version=1,
-        anchor_version=1,
-        run_id=whole.run_id,
-        epoch=whole.epoch,
         encoding=encoding,
         world_size=world or len(blocks),
         parts=tuple(records),
@@ -95,7 +92,7 @@ def test_parts_decode_to_the_changes_of_the_full_tensor(tmp_path, layout):
     before, after = weights_before_and_after()
     manifest, parts = write_parts(tmp_path, before, after, LAYOUTS[layout])
     version = read_version(manifest, parts, source="manifest")
-    assert isinstance(version, PartedDelta) and version.coded and not version.changes
+    assert isinstance(version, PartedDelta) and version.coded
     decoded = version.decoded({NAME: before})
     expected = changed_elements(before, after)
     assert torch.equal(decoded.changes[NAME].indices.long(), expected.indices.long())
@@ -162,7 +159,7 @@ def test_a_file_that_is_not_a_part_still_decodes_against_whole_tensors(tmp_path)
     path = tmp_path / "delta.safetensors"
     write_delta(path, {NAME: changed_elements(before, after)}, header, {NAME: before})
     delta = read_file(path)
-    assert isinstance(delta, Delta) and delta.coded and delta.header.block(NAME) == Block((0, 0), SHAPE)
+    assert isinstance(delta, CodedDelta) and delta.coded and delta.header.block(NAME) == Block((0, 0), SHAPE)
     assert torch.equal(delta.decoded({NAME: before}).changes[NAME].indices, changed_elements(before, after).indices)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 
@@ -74,7 +76,7 @@ def test_json_nulls_are_absent_keys():
     ],
 )
 def test_values_not_understood_are_refused_naming_the_key(payload, message):
-    with pytest.raises(ValueError) as error:
+    with pytest.raises(ValueError, match=re.escape(message)) as error:
         UpdateInfo.from_dict(payload)
     assert message in str(error.value)
 

@@ -6,6 +6,7 @@ Each test launches a script from tests/distributed/ and reads what its ranks pri
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -182,9 +183,12 @@ def test_a_version_with_a_bad_part_is_refused_as_a_whole(fsdp2_bucket, tmp_path,
     receiver = _replica_at(bucket, 3)
     before = {name: t.clone() for name, t in receiver.weights.items()}
     checksum = receiver.model_checksum
-    with pytest.raises(DeltaSyncError):
+    named = "deltas/step_00000004/part_00001.safetensors"  # every refusal names the part at fault
+    problems = {"missing": f"no file '{named}'", "damaged": f"{named}: payload digest"}
+    problem = problems.get(fault, f"{named}: its version")  # from another version
+    with pytest.raises(DeltaSyncError, match=re.escape(problem)):
         receiver.update(str(bucket), "deltas/step_00000004.manifest.json")
-    with pytest.raises(DeltaSyncError):
+    with pytest.raises(DeltaSyncError, match=re.escape(problem)):
         receiver.update(str(bucket))  # catch-up meets the same bad version
     assert receiver.version == 3 and receiver.model_checksum == checksum
     for name, tensor in before.items():
@@ -204,7 +208,9 @@ def test_a_part_on_its_own_is_refused(fsdp2_bucket):
 
 @pytest.mark.slow
 def test_fsdp2_example_runs_as_documented(tmp_path):
-    example = Path(__file__).parents[1] / "examples" / "fsdp2_delta_sync.py"
+    from helpers import REPO
+
+    example = REPO / "examples" / "fsdp2_delta_sync.py"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(example)]
     bucket = tmp_path / "deltas"
     result = subprocess.run(
@@ -224,8 +230,7 @@ def test_fsdp2_example_runs_as_documented(tmp_path):
 
 @pytest.mark.slow
 def test_cli_inspects_and_verifies_a_bucket_in_parts(fsdp2_bucket):
-    def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "delta_sync.cli", *args], capture_output=True, text=True)
+    from helpers import cli
 
     shown = cli("inspect", str(fsdp2_bucket / "deltas/step_00000002.manifest.json"), "--json")
     assert shown.returncode == 0, shown.stderr

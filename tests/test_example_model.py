@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import REPO
+
 EXAMPLE = REPO / "examples" / "grpo_delta_sync.py"
 
 
@@ -17,7 +18,7 @@ def test_model_and_base_model_dir_exclude_each_other(capsys):
     from grpo_delta_sync import parse_args
 
     assert parse_args(["--model", "./checkpoint"]).model == "./checkpoint"
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="^2$"):  # argparse's exit status for a usage error
         parse_args(["--model", "./checkpoint", "--base-model-dir", "./base-model"])
     assert "not allowed with argument" in capsys.readouterr().err
 

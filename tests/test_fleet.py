@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +19,8 @@ from delta_sync import Receiver
 from delta_sync.layout import LATEST, Latest
 from delta_sync.trainer.replicas import ReplicaSet
 
-from vllm_server import VLLMServer
+from helpers import stop_process, wait_for
+from vllm_server import VLLMServer, serving
 
 pytestmark = pytest.mark.slow
 
@@ -30,14 +30,6 @@ SYNC_TIMEOUT = 30.0
 
 def snapshot_dirs(cache: Path) -> list[Path]:
     return sorted(path for path in (cache / "snapshots").iterdir() if path.is_dir())
-
-
-def wait_until(condition, what: str, timeout: float = 300.0, interval: float = SERVER_POLL_SECONDS):
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(interval)
-    return value
 
 
 def shard_digests(tensor: torch.Tensor, rank: int, ranks: int) -> set[str]:
@@ -51,18 +43,14 @@ def shard_digests(tensor: torch.Tensor, rank: int, ranks: int) -> set[str]:
 
 @pytest.fixture
 def tp_server(served_model, bucket_root, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("vllm-tp2")
-    server = VLLMServer(
+    with serving(
         served_model,
+        tmp_path_factory.mktemp("vllm-tp2"),
         allowed_buckets=bucket_root.as_uri(),
-        log_path=logs / "server.log",
-        cache_dir=logs / "cache",
         extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
         extra_args=["--tensor-parallel-size", "2"],
-    )
-    server.start()
-    yield server
-    server.stop()
+    ) as server:
+        yield server
 
 
 def test_a_tensor_parallel_server_follows_grpo_with_one_snapshot(tp_server, bucket_root):
@@ -144,7 +132,12 @@ def test_a_fleet_converges_with_a_late_joiner_a_restart_and_a_follower(served_mo
             assert {state.url for state in behind} == expect_behind, [(s.url, s.error) for s in behind]
             live = [s for s in (pushed, late) if s.url not in expect_behind] + [follower_server]
             for replica in live:
-                wait_until(lambda r=replica: r.status()["model_checksum"] == trainer.checksum(), f"{replica.url}")
+                wait_for(
+                    lambda r=replica: r.status()["model_checksum"] == trainer.checksum(),
+                    f"{replica.url} to serve v{version}",
+                    timeout=300.0,
+                    interval=SERVER_POLL_SECONDS,
+                )
 
         publish_and_wait({late.url})  # v1: the late joiner is not up yet
         publish_and_wait({late.url})  # v2
@@ -167,11 +160,7 @@ def test_a_fleet_converges_with_a_late_joiner_a_restart_and_a_follower(served_mo
         assert paths == {str(directory / "weights.bin")}
     finally:
         if follower is not None:
-            follower.send_signal(signal.SIGTERM)
-            try:
-                follower.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                follower.kill()
+            stop_process(follower, 60)
         replicas.close()
         trainer.close()
         for replica in (pushed, late, follower_server):

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -25,16 +24,7 @@ from delta_sync.trainer.replicas import ReplicaSet
 
 from conftest import PublishedRun, assert_bit_exact
 from fake_vllm import FakeVLLM
-
-#: Longest a test waits for a condition; a bound, not a synchronisation.
-WAIT_SECONDS = 60
-
-
-def wait_for(condition, timeout: float = WAIT_SECONDS) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
+from helpers import WAIT_SECONDS, cli, wait_for
 
 
 def record_applied(server: FakeVLLM) -> list[str]:
@@ -159,9 +149,9 @@ def test_follower_stops_on_request(stepwise, server):
     thread = threading.Thread(target=follower.run, args=(stop,), name="follower")
     thread.start()
     try:
-        wait_for(lambda: server.receiver.version == 1)
+        wait_for(lambda: server.receiver.version == 1, "the server to hold v1")
         stepwise.step()
-        wait_for(lambda: server.receiver.version == 2)
+        wait_for(lambda: server.receiver.version == 2, "the server to hold v2")
     finally:
         stop.set()
         thread.join(timeout=WAIT_SECONDS)
@@ -205,7 +195,7 @@ def test_push_and_follow_at_once_apply_each_version_once(stepwise, server):
             replicas.announce(report.version, report.delta, report.model_checksum)
             assert replicas.wait(report.version, timeout=WAIT_SECONDS) == []
             stepwise.step()
-        wait_for(lambda: server.receiver.version == stepwise.version)
+        wait_for(lambda: server.receiver.version == stepwise.version, f"the server to hold v{stepwise.version}")
     finally:
         stop.set()
         thread.join(timeout=WAIT_SECONDS)
@@ -231,7 +221,7 @@ def conditional_read_changes(bucket: Bucket) -> None:
     content, newer = bucket.read_if_changed(LATEST, tag)
     assert content == b'{"v": 22}' and newer != tag
     assert bucket.read_if_changed(LATEST, newer) == (None, newer)
-    with pytest.raises(BucketFileNotFoundError):
+    with pytest.raises(BucketFileNotFoundError, match="no file 'nothing.json'"):
         bucket.read_if_changed("nothing.json", None)
 
 
@@ -321,7 +311,9 @@ def test_cli_follows_until_terminated(stepwise, server):
         text=True,
     )
     try:
-        wait_for(lambda: server.receiver.version == 1 or process.poll() is not None)
+        wait_for(
+            lambda: server.receiver.version == 1 or process.poll() is not None, "the follower to apply v1 (or exit)"
+        )
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=WAIT_SECONDS)
     finally:
@@ -334,10 +326,5 @@ def test_cli_follows_until_terminated(stepwise, server):
 
 
 def test_cli_refuses_a_bad_interval(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "delta_sync.cli", "follow", str(tmp_path), "--vllm-url", "http://x", "--interval", "0"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = cli("follow", str(tmp_path), "--vllm-url", "http://x", "--interval", "0", timeout=120)
     assert result.returncode == 2 and "--interval" in result.stderr

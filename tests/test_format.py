@@ -13,6 +13,7 @@ from delta_sync import read_file
 from delta_sync.errors import FormatError
 from delta_sync.format import Anchor, Delta, FileHeader, SparseChange, index_dtype, write_anchor, write_delta
 from delta_sync.integrity import model_checksum, tensor_checksum, updated_checksum
+from delta_sync.version import VersionId
 
 from conftest import assert_bit_exact
 
@@ -23,11 +24,9 @@ def anchor_header(tensors: dict[str, torch.Tensor], version: int = 1) -> FileHea
     return FileHeader(
         source="test",
         kind="anchor",
-        version=version,
+        id=VersionId(version, version, "run"),
         base_version=None,
-        anchor_version=version,
         encoding="dense",
-        run_id="run",
         shapes={n: tuple(t.shape) for n, t in tensors.items()},
         checksums=checksums,
         base_checksums={},
@@ -46,11 +45,9 @@ def delta_header(base: dict[str, torch.Tensor], changes: dict[str, SparseChange]
     return FileHeader(
         source="test",
         kind="delta",
-        version=version,
+        id=VersionId(version, 1, "run"),
         base_version=version - 1,
-        anchor_version=1,
         encoding="raw",
-        run_id="run",
         shapes={n: tuple(base[n].shape) for n in changes},
         checksums=new,
         base_checksums={n: checksums[n] for n in changes},
@@ -124,11 +121,9 @@ def test_int64_indices_for_a_huge_tensor(tmp_path):
     header = FileHeader(
         source="test",
         kind="delta",
-        version=2,
+        id=VersionId(2, 1, "run"),
         base_version=1,
-        anchor_version=1,
         encoding="raw",
-        run_id="run",
         shapes={"huge.weight": huge},
         checksums={"huge.weight": 1},
         base_checksums={"huge.weight": 0},

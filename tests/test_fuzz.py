@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 
 import pytest
@@ -210,7 +211,9 @@ def test_with_a_key_every_flip_is_a_signature_error(tmp_path):
         receiver.update(tmp_path, anchor_path(1))
         (tmp_path / delta_path(2)).write_bytes(original)
         flip_bytes(tmp_path / delta_path(2), rng, count=1)
-        with pytest.raises(SignatureError):
+        with pytest.raises(
+            SignatureError, match=re.escape(delta_path(2)) + ": the file's SHA-256 .* is not the one signed"
+        ):
             receiver.update(tmp_path, delta_path(2))
         assert receiver.version == 1
     json.loads((tmp_path / LATEST).read_text())  # the pointer itself stays valid JSON

@@ -1,4 +1,4 @@
-"""One snapshot per machine: `SharedReceiver`s over a `NodeSnapshot`, as the workers of one or
+"""One snapshot per machine: `Receiver`s with a `NodeStore` over a `NodeSnapshot`, as the workers of one or
 several vLLM servers on a node use them (tested with plain modules; tests/test_fleet.py
 runs real servers)."""
 
@@ -15,22 +15,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from delta_sync import expected_shapes_of, module_weight_loader
+from delta_sync import Receiver, expected_shapes_of, module_weight_loader
 from delta_sync.errors import SnapshotMovedError
 from delta_sync.integrity import model_checksum, tensor_checksum
 from delta_sync.layout import anchor_path, delta_path
 from delta_sync.replica import snapshot as snapshot_module
-from delta_sync.replica.shared import SharedReceiver
+from delta_sync.replica.shared import NodeStore
 from delta_sync.replica.snapshot import NodeSnapshot
 
 from conftest import TwoTower, assert_bit_exact, bf16_state
 
 
-def worker(snapshot_dir: Path, **kwargs) -> tuple[SharedReceiver, TwoTower]:
+def worker(snapshot_dir: Path, *, history: int = 8, **kwargs) -> tuple[Receiver, TwoTower]:
     """One "vLLM worker": its own model, the node's snapshot."""
     replica = TwoTower()
-    receiver = SharedReceiver(
-        snapshot_dir=snapshot_dir,
+    receiver = Receiver(
+        store=NodeStore(snapshot_dir, history=history),
         load_weights=module_weight_loader(replica),
         expected_shapes=expected_shapes_of(replica),
         **kwargs,
@@ -164,7 +164,7 @@ def test_a_version_that_moves_out_of_reach_before_loading_leaves_the_model_untou
         ahead.update(stepwise.root, delta_path(stepwise.step()))
 
     calls = []
-    with pytest.raises(SnapshotMovedError):
+    with pytest.raises(SnapshotMovedError, match="can no longer rebuild version 2"):
         pending.commit(lambda weights: calls.append(weights))
     assert calls == []  # nothing was handed to the model, nothing reloaded
     assert behind.serving.version == behind.version == 1
@@ -202,12 +202,12 @@ CRASHING_WORKER = """
 import os, signal, sys
 sys.path[:0] = [{tests!r}]
 import torch
-import delta_sync.replica.receiver as receiver_module
+import delta_sync.replica.shared as writer_module
 from delta_sync.replica.snapshot import NodeSnapshot
 from test_node_snapshot import worker
 
 writes = []
-real_mark, real_scatter, real_copy = NodeSnapshot._mark_writing, receiver_module.scatter_, torch.Tensor.copy_
+real_mark, real_scatter, real_copy = NodeSnapshot._mark_writing, writer_module.scatter_, torch.Tensor.copy_
 
 def mark_then_arm(self, version, kind):
     real_mark(self, version, kind)
@@ -229,7 +229,7 @@ def copy(self, source, *args, **kwargs):
     return result
 
 NodeSnapshot._mark_writing = mark_then_arm
-receiver_module.scatter_ = scatter
+writer_module.scatter_ = scatter
 torch.Tensor.copy_ = copy
 receiver, _ = worker({nodes!r})
 receiver.update({bucket!r}, {path!r})
@@ -312,3 +312,38 @@ def test_mapped_memory_counts_copied_pages_not_pages_only_one_process_touched(tm
         copied[0] = 2  # copy-on-write: this process now holds its own page
         assert snapshot_module.mapped_memory(path)["private"] == mmap.PAGESIZE
         copied.close()
+
+
+def test_a_read_file_is_applied_to_the_node_snapshot_of_its_bucket(stepwise, tmp_path):
+    from delta_sync import read_file
+
+    receiver, model = worker(tmp_path / "snapshots")
+    with read_file(stepwise.root / anchor_path(1)) as anchor:
+        with pytest.raises(ValueError, match="kept per bucket"):
+            receiver.apply(anchor)  # which bucket's snapshot is not known
+        assert receiver.version is None
+        assert receiver.apply(anchor, bucket=stepwise.root).version == 1
+    assert_bit_exact(stepwise.states[1], bf16_state(model))
+    assert receiver.memory().shared_path is not None
+
+
+def test_a_node_store_needs_the_models_shapes(tmp_path):
+    with pytest.raises(ValueError, match="expected_shapes"):
+        Receiver(store=NodeStore(tmp_path / "snapshots"))
+
+
+def test_a_missing_undo_record_puts_the_version_out_of_reach(stepwise, tmp_path):
+    nodes = tmp_path / "snapshots"
+    ahead, _ = worker(nodes)
+    behind, behind_model = worker(nodes)
+    behind.update(stepwise.root)  # v1
+    for _ in range(3):
+        ahead.update(stepwise.root, delta_path(stepwise.step()))
+    (undo,) = [path for path in nodes.glob("*/undo/00000004.safetensors")]
+    undo.unlink()  # as a process that died between the state and the record would leave it
+    with pytest.raises(SnapshotMovedError, match="can no longer rebuild version 2"):
+        behind.update(stepwise.root, delta_path(2))
+    assert behind.serving.version == 1 and behind.pending is None
+    assert_bit_exact(stepwise.states[1], bf16_state(behind_model))
+    behind.update(stepwise.root)  # a catch-up reaches the node's version, which needs no record
+    assert_bit_exact(stepwise.states[4], bf16_state(behind_model))

@@ -1,25 +1,24 @@
-"""Publisher: anchor/delta schedule, latest.json, retention, background failures."""
+"""Publisher: anchor/delta schedule, latest.json, retention, background failures, the snapshot
+lease, options."""
 
 from __future__ import annotations
 
 import json
-import time
+import threading
 
 import pytest
 import torch
 
-from delta_sync import BF16ChangeDetector, Publisher, read_file
+from delta_sync import BF16ChangeDetector, LocalBucket, Publisher, read_file
+from delta_sync.changes import Encoding
 from delta_sync.errors import PublishError
 from delta_sync.layout import Latest, step_versions
+from delta_sync.trainer.lease import SnapshotLease
+from delta_sync.trainer.publisher import PublisherOptions
+from delta_sync.trainer.schedule import AnchorSchedule, Plan
 
 from conftest import PublishedRun, TwoTower, assert_bit_exact, bf16_state, replica_receiver, train_step
-
-
-def wait_for(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
+from helpers import WAIT_SECONDS, wait_for
 
 
 def listing(root) -> tuple[list[int], list[int]]:
@@ -119,7 +118,7 @@ def test_failure_is_raised_at_the_next_publish_and_the_next_version_is_an_anchor
     (tmp_path / "deltas").write_text("not a directory")
     train_step(model, optimizer, seed=2)
     publisher.publish(2)
-    wait_for(lambda: publisher.pending_error is not None)
+    wait_for(lambda: publisher.pending_error is not None, "the background upload of v2 to fail", timeout=30.0)
     train_step(model, optimizer, seed=3)
     with pytest.raises(PublishError, match="publishing to .* failed"):
         publisher.publish(3)
@@ -142,7 +141,7 @@ def test_failure_is_raised_on_close(tmp_path):
     (tmp_path / "bucket").write_text("a file, not a directory")
     train_step(model, optimizer, seed=1)
     publisher.publish(1)
-    with pytest.raises(PublishError):
+    with pytest.raises(PublishError, match=r"publishing to .*/bucket failed: .*Not a directory: .*/bucket/anchors"):
         publisher.close()
 
 
@@ -233,3 +232,138 @@ def test_an_anchor_is_written_once_the_deltas_outweigh_the_last_one(tmp_path):
         # A replica joining at any version downloads at most one anchor plus half an anchor
         # of deltas, plus the one delta that crossed the line.
         assert report.catch_up_bytes <= anchor_size * 1.5 + report.delta_bytes + 1024
+
+
+# -- the anchor schedule, on its own ------------------------------------------------------------
+
+DELTA, ANCHOR, BOTH = Plan(delta=True, anchor=False), Plan(delta=False, anchor=True), Plan(delta=True, anchor=True)
+
+
+def test_schedule_by_count_starts_with_an_anchor_alone_and_adds_one_every_n_versions():
+    schedule = AnchorSchedule(every=3, bytes_ratio=None)
+    plans = [schedule.plan(changed=1, total=100) for _ in range(7)]
+    assert plans == [ANCHOR, DELTA, DELTA, BOTH, DELTA, DELTA, BOTH]
+
+
+def test_schedule_by_bytes_adds_an_anchor_once_the_deltas_outweigh_the_fraction():
+    schedule = AnchorSchedule(every=1000, bytes_ratio=0.5)
+    assert schedule.plan(changed=1, total=100) == ANCHOR
+    schedule.stored_anchor(100)
+    assert schedule.plan(changed=1, total=100) == DELTA
+    schedule.stored_delta(30)
+    assert not schedule.catch_up_heavy and schedule.catch_up_bytes == 130
+    assert schedule.plan(changed=1, total=100) == DELTA
+    schedule.stored_delta(30)  # 60 bytes of deltas > 0.5 * 100
+    assert schedule.catch_up_heavy
+    assert schedule.plan(changed=1, total=100) == BOTH
+    schedule.stored_anchor(120)  # the deltas before it no longer count
+    assert not schedule.catch_up_heavy and schedule.catch_up_bytes == 120
+    # Another rank's verdict (rank 0's, with parts) overrides the schedule's own.
+    assert schedule.plan(changed=1, total=100, catch_up_heavy=True) == BOTH
+    assert schedule.plan(changed=1, total=100, catch_up_heavy=False) == DELTA
+
+
+def test_schedule_stores_a_mostly_changed_version_and_one_after_a_failure_as_an_anchor_alone():
+    schedule = AnchorSchedule(every=1000, bytes_ratio=None)
+    assert schedule.plan(changed=0, total=99) == ANCHOR
+    assert schedule.plan(changed=33, total=99) == DELTA  # a third is not more than a third
+    assert schedule.plan(changed=34, total=99) == ANCHOR
+    schedule.restart()
+    assert schedule.plan(changed=1, total=99) == ANCHOR
+    assert schedule.plan(changed=1, total=99) == DELTA
+
+
+# -- the snapshot lease ---------------------------------------------------------------------
+
+
+def test_a_snapshot_lease_releases_its_lock_exactly_once():
+    lock = threading.Lock()
+    lease = SnapshotLease.take(lock)
+    assert lease.held and lock.locked()
+    lease.release()
+    assert not lease.held and not lock.locked()
+    lock.acquire()  # someone else's hold now: a second release must not end it
+    lease.release()
+    assert lock.locked()
+    lock.release()
+    empty = SnapshotLease.none()
+    assert not empty.held
+    empty.release()
+
+
+class GatedBucket(LocalBucket):
+    """A test double for a slow bucket: a `LocalBucket` whose every upload of a version file
+    waits on `gate`, an event the test sets, after recording whether the detector's snapshot
+    lock was held as the upload began."""
+
+    def __init__(self, root, snapshot_lock: threading.Lock) -> None:
+        super().__init__(root)
+        self.snapshot_lock = snapshot_lock
+        self.gate = threading.Event()
+        self.uploading = threading.Event()
+        self.lock_held_at_upload: list[bool] = []
+
+    def upload(self, path, source, *, overwrite=True):
+        if path.endswith(".safetensors"):
+            self.lock_held_at_upload.append(self.snapshot_lock.locked())
+            self.uploading.set()
+            assert self.gate.wait(WAIT_SECONDS), "the test never opened the gate"
+        super().upload(path, source, overwrite=overwrite)
+
+
+def test_the_next_version_is_detected_while_the_previous_upload_runs(tmp_path):
+    torch.manual_seed(0)
+    model = TwoTower()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    detector = BF16ChangeDetector(model, optimizer)
+    bucket = GatedBucket(tmp_path, detector.snapshot_lock)
+    # v1 is an anchor and v2 a compact delta plus an anchor: both are encoded from the snapshot.
+    publisher = Publisher(bucket, detector, anchor_every=1, encoding="compact")
+    try:
+        train_step(model, optimizer, seed=1)
+        publisher.publish(1)
+        assert bucket.uploading.wait(WAIT_SECONDS), "v1's upload never began"
+        train_step(model, optimizer, seed=2)
+        detected = threading.Event()
+        second = threading.Thread(target=lambda: (publisher.publish(2), detected.set()), daemon=True)
+        second.start()
+        assert detected.wait(WAIT_SECONDS), "publishing v2 waited for v1's upload to end"
+        assert not (tmp_path / "latest.json").exists(), "v1's upload was still to end"
+    finally:
+        bucket.gate.set()
+    second.join(WAIT_SECONDS)
+    publisher.close()
+    assert [report.kind for report in publisher.reports] == ["anchor", "delta+anchor"]
+    assert bucket.lock_held_at_upload == [False, False, False], "an upload began while the snapshot was held"
+    receiver, replica = replica_receiver()
+    assert receiver.update(tmp_path).version == 2
+    assert_bit_exact(bf16_state(model), bf16_state(replica))
+    detector.close()
+
+
+# -- options ----------------------------------------------------------------------------------
+
+
+def test_publisher_options_take_the_encodings_value_and_name_a_bad_field(tmp_path):
+    assert PublisherOptions(encoding="compact").encoding is Encoding.COMPACT
+    assert PublisherOptions().encoding is Encoding.RAW
+    with pytest.raises(ValueError, match="encoding must be 'raw' or 'compact', got 'dense'"):
+        PublisherOptions(encoding="dense")
+    with pytest.raises(ValueError, match="keep_anchors must be >= 1, got 0"):
+        PublisherOptions(keep_anchors=0)
+    with pytest.raises(ValueError, match="anchor_every must be >= 1, got 0"):
+        PublisherOptions(anchor_every=0)
+
+
+def test_publisher_takes_options_and_keywords_on_top_of_them(tmp_path):
+    torch.manual_seed(0)
+    model = TwoTower()
+    detector = BF16ChangeDetector(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    options = PublisherOptions(anchor_every=4, background=False, run_id="run-a")
+    publisher = Publisher(tmp_path, detector, options, anchor_every=2)
+    assert publisher.options == PublisherOptions(anchor_every=2, background=False, run_id="run-a")
+    assert publisher.run_id == "run-a"
+    publisher.close()
+    with pytest.raises(TypeError, match="anchor_evry"):
+        Publisher(tmp_path, detector, anchor_evry=2)
+    detector.close()

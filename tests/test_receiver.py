@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
 
-from delta_sync import read_file
+from delta_sync import BF16ChangeDetector, Publisher, read_file
 from delta_sync.errors import (
     ApplyError,
     BaseVersionError,
@@ -20,7 +21,7 @@ from delta_sync.errors import (
 from delta_sync.format import Delta, SparseChange, write_delta
 from delta_sync.layout import anchor_path, delta_path
 
-from conftest import PublishedRun, assert_bit_exact, bf16_state, replica_receiver
+from conftest import PublishedRun, TwoTower, assert_bit_exact, bf16_state, replica_receiver, train_step
 
 
 def test_catch_up_then_follow_file_by_file(run):
@@ -132,7 +133,7 @@ EDITS = {
         "model checksum",
     ),
     "other run": (
-        lambda c, h: (c, dataclasses.replace(h, run_id="someone-else")),
+        lambda c, h: (c, dataclasses.replace(h, id=dataclasses.replace(h.id, run_id="someone-else"))),
         ApplyError,
         "belongs to run someone-else",
     ),
@@ -250,7 +251,7 @@ def test_corrupted_anchor_is_refused(run, tmp_path):
 )
 def test_paths_escaping_the_bucket_are_refused(run, at_v3, filename):
     receiver, _ = at_v3
-    with pytest.raises(BucketPathError):
+    with pytest.raises(BucketPathError, match=re.escape(repr(filename))):
         receiver.update(run.root, filename)
     assert receiver.version == 3
 
@@ -303,3 +304,39 @@ def test_a_replica_ahead_of_the_buckets_pointer_goes_back_to_it(tmp_path):
     (run.root / "latest.json").write_bytes(pointer_at_4)
     assert receiver.update(run.root).version == 4
     assert_bit_exact(run.states[4], bf16_state(replica))
+
+
+def test_a_replica_on_an_abandoned_version_converges_when_the_resumed_run_reaches_its_number(tmp_path):
+    # Resumed in place from a checkpoint of step 4 until the new start reaches v6 again: a
+    # replica holding the abandoned v6 holds the pointer's version number with other weights.
+    first = PublishedRun(tmp_path, versions=6, anchor_every=3, keep_anchors=10)
+    first.close()
+    receiver, replica = replica_receiver()
+    assert receiver.update(tmp_path).version == 6
+    abandoned = receiver.model_checksum
+    torch.manual_seed(5)
+    model = TwoTower()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    publisher = Publisher(
+        tmp_path, BF16ChangeDetector(model, optimizer), run_id=first.publisher.run_id, background=False
+    )
+    for version in (5, 6):
+        train_step(model, optimizer, seed=50 + version)
+        publisher.publish(version)
+    publisher.close()
+    assert publisher.reports[-1].model_checksum != abandoned
+    result = receiver.update(tmp_path)
+    assert result.version == 6 and not result.noop
+    assert receiver.model_checksum == publisher.reports[-1].model_checksum
+    assert_bit_exact(bf16_state(model), bf16_state(replica))
+    assert receiver.update(tmp_path).noop  # and then it is in step
+
+
+@pytest.mark.parametrize("escape", ["%2E%2E", "%2e%2e", "%2E", ".%2E"])
+def test_a_dot_segment_never_passes_the_allow_list(escape):
+    receiver, _ = replica_receiver(allowed_buckets=["s3://ckpts/run1"])
+    with pytest.raises(UntrustedBucketError, match=r"'\.' or '\.\.' segment"):
+        receiver.check_bucket(f"s3://ckpts/run1/{escape}/run2")
+    with pytest.raises(BucketPathError, match=r"must not contain '\.\.'"):
+        receiver.check_bucket("s3://ckpts/run1/../run2")  # refused when the bucket is opened
+    assert receiver.check_bucket("s3://ckpts/run1/sub").url == "s3://ckpts/run1/sub"

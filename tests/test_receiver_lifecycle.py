@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from delta_sync import open_bucket, read_file
-from delta_sync.errors import BaseVersionError, FormatError
+from delta_sync.errors import ApplyError, BaseVersionError, FormatError
 from delta_sync.layout import anchor_path, delta_path
 
 from conftest import assert_bit_exact, bf16_state, replica_receiver
@@ -260,3 +260,24 @@ def test_a_prepared_update_is_not_reported_as_served_until_committed(run, at_v3)
     assert receiver.serving == served  # ...but the model still serves v3
     pending.commit()
     assert receiver.serving.version == 4 and receiver.serving.model_checksum == receiver.model_checksum
+
+
+def test_each_prepare_says_what_it_applied(run, at_v3):
+    receiver, _ = at_v3
+    pending = receiver.prepare(run.root, delta_path(4))
+    assert pending.last.version == 4 and [p.rsplit("/", 1)[-1] for p in pending.last.applied] == [
+        "step_00000004.safetensors"
+    ]
+    receiver.prepare(run.root, delta_path(4))  # re-sent: applies nothing
+    assert pending.last.applied == () and pending.last.version == 4
+    assert len(pending.steps) == 2 and len(pending.applied) == 1
+    receiver.commit(pending)
+
+
+def test_a_file_of_another_kind_than_announced_is_refused_before_it_is_applied(run, at_v3):
+    receiver, replica = at_v3
+    before = bf16_state(replica)
+    with pytest.raises(ApplyError, match=r"is a delta, but update_info 'update_kind' is 'dense' \(an anchor\)"):
+        receiver.prepare(run.root, delta_path(4), kind="anchor")
+    assert receiver.pending is None and receiver.version == 3
+    assert_bit_exact(before, bf16_state(replica))

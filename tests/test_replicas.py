@@ -14,11 +14,13 @@ import httpx
 import pytest
 
 from delta_sync.control import STATUS_METHOD, Route
+from delta_sync.control.client import Replica
 from delta_sync.errors import ReplicaError
-from delta_sync.trainer.replicas import Replica, ReplicaSet
+from delta_sync.trainer.replicas import ReplicaSet
 
 from conftest import PublishedRun, assert_bit_exact
 from fake_vllm import FakeVLLM
+from helpers import WAIT_SECONDS, wait_for
 
 #: One update, in order: START, UPDATE, then FINISH with generation paused, then the status.
 UPDATE_ROUTES = [
@@ -30,9 +32,6 @@ UPDATE_ROUTES = [
     Route.RESUME,
     Route.COLLECTIVE_RPC,
 ]
-
-#: Longest a test waits for replica threads; a bound, not a synchronisation.
-WAIT_SECONDS = 60
 
 
 @pytest.fixture
@@ -73,6 +72,7 @@ def test_fake_server_answers_like_vllm(run, server):
                 "model_checksum": None,
                 "pending": 0,
                 "updating": False,
+                "prepared_version": None,
             }
         ]
 
@@ -112,7 +112,7 @@ def test_transient_503s_are_retried(run, server, replica):
 
 
 def test_refusal_is_a_replica_error_with_fields(run, server, replica):
-    with pytest.raises(ReplicaError) as refused:
+    with pytest.raises(ReplicaError, match="/update_weights: HTTP 500: delta-sync refused the update") as refused:
         replica.update(bucket_of(run), "deltas/step_00000099.safetensors")
     error = refused.value
     assert (error.url, error.route, error.status) == (server.url, Route.UPDATE, 500)
@@ -121,7 +121,7 @@ def test_refusal_is_a_replica_error_with_fields(run, server, replica):
     assert not replica.status().updating  # vLLM closes the session of a failed update
 
     server.add_fault(Route.FINISH, 500, message="engine exploded")
-    with pytest.raises(ReplicaError) as failed:
+    with pytest.raises(ReplicaError, match="/finish_weight_update: HTTP 500: engine exploded") as failed:
         replica.update(bucket_of(run))
     assert (failed.value.route, failed.value.status) == (Route.FINISH, 500)
     assert failed.value.server_message == "engine exploded"
@@ -144,7 +144,7 @@ def test_open_session_is_finished_then_started_again(run, server, caplog):
 
 def test_start_refused_without_open_session_is_raised(run, server, replica):
     server.add_fault(Route.START, 500, count=None, message="no weight transfer engine")
-    with pytest.raises(ReplicaError) as refused:
+    with pytest.raises(ReplicaError, match="/start_weight_update: HTTP 500: no weight transfer engine") as refused:
         replica.update(bucket_of(run))
     assert (refused.value.route, refused.value.server_message) == (Route.START, "no weight transfer engine")
     # Asked, tried once more (another client's session may have just closed), nothing finished.
@@ -174,13 +174,6 @@ def update_in_thread(replica: Replica, bucket: str) -> tuple[threading.Thread, d
     return thread, outcome
 
 
-def wait_for(condition, timeout: float = WAIT_SECONDS) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
-
-
 def test_a_client_waits_for_another_clients_session_instead_of_ending_it(run, server, replica):
     """A trainer pushes while a follower catches up: the second waits, then finds the
     version held (a no-op); the first finishes its own session."""
@@ -189,7 +182,9 @@ def test_a_client_waits_for_another_clients_session_instead_of_ending_it(run, se
         assert first.post(Route.START).status_code == 200
         thread, outcome = update_in_thread(replica, bucket)
         # Refused, then watching the open session: two looks at it, and nothing finished.
-        wait_for(lambda: server.routes().count(Route.COLLECTIVE_RPC) >= 2)
+        wait_for(
+            lambda: server.routes().count(Route.COLLECTIVE_RPC) >= 2, "the second client to look at the session twice"
+        )
         assert Route.FINISH not in server.routes()
         assert first.post(Route.UPDATE, json={"update_info": {"bucket": bucket}}).status_code == 200
         assert first.post(Route.FINISH).status_code == 200  # its session was still its own
@@ -222,7 +217,7 @@ def test_a_session_that_stays_open_past_the_wait_is_an_error(run, server):
     server.open_session()  # another client's, which this one must not end
     replica = Replica(server.url, retry_seconds=5.0, timeout=0.5, stale_session_seconds=60)
     try:
-        with pytest.raises(ReplicaError) as busy:
+        with pytest.raises(ReplicaError, match="another client's weight update is still open") as busy:
             replica.update(bucket_of(run))
     finally:
         replica.close()
@@ -237,7 +232,9 @@ def test_workers_that_disagree_are_an_error(run):
         try:
             assert client.update(bucket_of(run)).version == 5
             server.set_worker_status(1, model_checksum="0" * 32)
-            with pytest.raises(ReplicaError) as disagree:
+            with pytest.raises(
+                ReplicaError, match=r"workers disagree on \(version, run_id, model_checksum\)"
+            ) as disagree:
                 client.status()
             assert disagree.value.route == Route.COLLECTIVE_RPC and "disagree" in str(disagree.value)
             server.set_worker_status(1, updating="no")
@@ -252,7 +249,7 @@ def test_dead_replica_is_unavailable_after_retries():
     server.stop()
     client = Replica(server.url, retry_seconds=0.5)
     try:
-        with pytest.raises(ReplicaError) as dead:
+        with pytest.raises(ReplicaError, match="replica unreachable: .*/start_weight_update") as dead:
             client.update("file:///nowhere")
     finally:
         client.close()

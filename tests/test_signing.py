@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -55,7 +57,7 @@ def test_keygen_writes_a_private_key_only_its_owner_reads(keys):
     assert oct(private.stat().st_mode & 0o777) == "0o600"
     assert SigningKey.load(private).key_id == VerifyKey.load(public).key_id
     assert VerifyKey.load(public.read_text()).key_id == VerifyKey.load(public).key_id  # PEM text, as in a secret
-    with pytest.raises(FileExistsError):
+    with pytest.raises(FileExistsError, match=r"File exists: .*delta-sync\.key"):
         SigningKey.generate().save(private.parent)
 
 
@@ -99,7 +101,8 @@ def forge(root, *, edit_metadata=None, extra_change=False):
         checksums = {**header.checksums, name: checksum}
         header = type(header)(**{**vars(header), "checksums": checksums, "model_checksum": model_checksum(checksums)})
     if edit_metadata:
-        header = type(header)(**{**vars(header), **edit_metadata})
+        identity = {key: edit_metadata.pop(key) for key in ("version", "run_id") if key in edit_metadata}
+        header = dataclasses.replace(header, id=dataclasses.replace(header.id, **identity), **edit_metadata)
     path.unlink()
     write_delta(path, changes, header)
 
@@ -120,7 +123,9 @@ def test_forged_files_are_refused_with_a_key(tmp_path, keys, forgery):
         receiver.update(tmp_path, path)
     before, version = held_bits(receiver), receiver.version
     forge(tmp_path, **forgery)
-    with pytest.raises(SignatureError):
+    with pytest.raises(
+        SignatureError, match=re.escape(delta_path(4)) + ": the file's SHA-256 .* is not the one signed"
+    ):
         receiver.update(tmp_path, delta_path(4))
     assert_unchanged(receiver, before, version)
     # Catching up passes over the forged delta and reaches v4 through its signed anchor.
@@ -157,11 +162,7 @@ def test_a_replica_of_another_run_is_told_so(tmp_path):
 
 
 def test_keygen_and_verify_from_the_command_line(tmp_path):
-    import subprocess
-    import sys
-
-    def cli(*args):
-        return subprocess.run([sys.executable, "-m", "delta_sync.cli", *args], capture_output=True, text=True)
+    from helpers import cli
 
     made = cli("keygen", str(tmp_path / "keys"))
     assert made.returncode == 0, made.stderr

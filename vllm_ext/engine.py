@@ -11,11 +11,13 @@ The engine only maps vLLM's session onto a `delta_sync.Receiver`'s lifecycle:
 | vLLM | receiver |
 | --- | --- |
 | `start_weight_update` | open a session |
-| `update_weights` (one or more) | `receiver.prepare(bucket, filename)`: download, verify, apply to the snapshot |
-| `finish_weight_update` | `pending.commit(load)`: load the changed tensors into the model |
+| `update_weights` (one or more) | `receiver.prepare(bucket, filename, kind=update_kind)`: download, verify, apply to the snapshot |
+| `finish_weight_update` | `receiver.commit(pending, load)`: load the changed tensors into the model |
 
-Downloads and checks run while the server keeps generating; only `finish_weight_update`
-touches the model, through vLLM's layerwise-reload lifecycle (the CPU backend repacks
+vLLM runs all three inside its engine loop, so nothing generates while they run: the
+engine's prefetch thread ([`make_prefetcher`]) downloads, checks and applies new versions
+to the node snapshot beforehand, while the server generates, and `update_weights` then
+finds them prepared. Only `finish_weight_update` touches the model, through vLLM's layerwise-reload lifecycle (the CPU backend repacks
 linear layers after loading, so a plain `load_weights` into them fails). A session is all
 or nothing: if any `update_weights` fails, the files of the whole session are undone
 and the model keeps serving what it served.
@@ -43,11 +45,11 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.logger import init_logger
 
-from delta_sync import Receiver
-from delta_sync.control import ALLOWED_BUCKETS_ENV, SNAPSHOT_DIR_ENV, UpdateInfo
+from delta_sync.control import ALLOWED_BUCKETS_ENV, PREFETCH_ENV, SNAPSHOT_DIR_ENV, UpdateInfo
 from delta_sync.errors import DeltaSyncError
-from delta_sync.replica.shared import SharedReceiver
-from delta_sync.storage import clean_path
+from delta_sync.replica.prefetch import Prefetcher
+from delta_sync.replica.receiver import Receiver, WeightPatch
+from delta_sync.replica.shared import NodeStore
 from delta_sync.storage.cache import default_cache_dir
 
 from .logs import route_delta_sync_logs
@@ -117,11 +119,14 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
         route_delta_sync_logs()
         self._fused = fused_shards(model)
         self._updating = False
+        allowed = allowed_buckets_from_env()
         self.receiver = make_receiver(
             checkpoint_shapes(str(self.model_config.model)),
-            allowed_buckets=allowed_buckets_from_env(),
+            allowed_buckets=allowed,
             load_together=self._with_fused_shards,
         )
+        self.prefetcher = make_prefetcher(self.receiver, allowed or [])
+        self.loader = ModelLoader(model, self.model_config)
 
     @property
     def updating(self) -> bool:
@@ -154,27 +159,38 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
             self._abort_session()
             raise
 
+    def hint(self, bucket: str | None) -> None:
+        """Prepare `bucket`'s newest version (and the watched buckets') now, off the engine
+        loop; returns at once. Without a prefetcher (`DELTA_SYNC_PREFETCH=off`, or a private
+        snapshot) the next update prepares inline."""
+        if bucket is not None:
+            bucket = self.receiver.check_bucket(bucket).url
+        if self.prefetcher is not None:
+            self.prefetcher.hint(bucket)
+
     def receive_weights(self, update_info: DeltaUpdateInfo) -> None:
-        applied_before = len(self.receiver.pending.applied) if self.receiver.pending else 0
+        if self.prefetcher is not None:
+            self.prefetcher.watch(self.receiver.check_bucket(update_info.bucket))
         try:
-            self._check_kind(update_info)
-            pending = self.receiver.prepare(update_info.bucket, update_info.filename)
+            pending = self.receiver.prepare(update_info.bucket, update_info.filename, kind=update_info.kind)
         except DeltaSyncError as exc:
             raise RuntimeError(f"delta-sync refused the update: {type(exc).__name__}: {exc}") from exc
-        applied = len(pending.applied) - applied_before
+        step = pending.last
         if not pending.names:
-            logger.info("delta-sync: already at version %s", pending.version)
-        elif applied:
+            logger.info("delta-sync: already at version %s", step.version)
+        elif step.applied:
+            # Inside vLLM's engine loop, so nothing generated meanwhile: a prefetch would
+            # have prepared it while the server kept generating.
             logger.info(
-                "delta-sync: prepared version %s from %d file(s); %d tensor(s) to load",
-                pending.version,
-                applied,
+                "delta-sync: prepared version %s inline from %d file(s) (not prefetched); %d tensor(s) to load",
+                step.version,
+                len(step.applied),
                 len(pending.names),
             )
         else:
             logger.info(
-                "delta-sync: version %s is in the node snapshot already; %d tensor(s) to load",
-                pending.version,
+                "delta-sync: version %s is prepared in the node snapshot; %d tensor(s) to load",
+                step.version,
                 len(pending.names),
             )
 
@@ -182,7 +198,7 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
         pending, self._updating = self.receiver.pending, False
         if pending is None:
             return
-        result = pending.commit(self._load_into_model)
+        result = pending.commit(self.loader)
         if not result.noop:
             logger.info(
                 "delta-sync: loaded %d tensor(s) in %.3f s; serving version %s",
@@ -192,37 +208,16 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
             )
 
     def shutdown(self) -> None:
-        return None
+        if self.prefetcher is not None:
+            self.prefetcher.stop()
 
     # -- helpers ----------------------------------------------------------------------------
-
-    def _check_kind(self, update_info: DeltaUpdateInfo) -> None:
-        """Refuse a file that is not what the sender's `update_kind` says, before applying
-        anything (the file is read through the download cache, which `prepare` then reuses)."""
-        if update_info.kind is None:
-            return
-        info = UpdateInfo(update_info.bucket, update_info.filename, update_info.kind)
-        bucket = self.receiver.check_bucket(info.bucket)
-        with self.receiver.open_version(bucket, clean_path(info.filename)) as file:
-            info.check_kind(file.header.kind, source=file.header.source)
 
     def _abort_session(self) -> None:
         pending, self._updating = self.receiver.pending, False
         if pending is not None:
             pending.abort()
             logger.warning("delta-sync: update session aborted; still serving version %s", self.receiver.version)
-
-    def _load_into_model(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """The receiver's `load_weights` (fused shards already completed by `load_together`):
-        through vLLM's layerwise reload."""
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
-        try:
-            self.model.load_weights(iter(weights))
-        finally:
-            # Always leave the model runnable: a half-finished reload crashes the next request.
-            finalize_layerwise_reload(self.model, self.model_config)
 
     def _with_fused_shards(self, names: set[str]) -> set[str]:
         """Add the sibling shards of fused modules: vLLM rebuilds a fused layer (qkv,
@@ -239,6 +234,108 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
         return complete
 
 
+class ModelLoader:
+    """Loads versions into the served model (the receiver's `load_weights`, a
+    `PatchingWeightLoader`): the changed elements of a parameter vLLM keeps as a plain
+    tensor are written in place, through vLLM's checkpoint patch loader (checkpoint names,
+    so tensor-parallel slices, padded vocabularies and the model's own name mapping are
+    vLLM's); every other parameter is reloaded whole, through vLLM's layerwise-reload
+    lifecycle. Reloaded whole: parameters with no runtime tensor of their own (fused qkv and
+    gate_up shards), the linear layers the CPU backend prepacks (their `weight` is empty),
+    and any patch whose new values hold a NaN, which the patch loader reads as "unchanged".
+
+    Args:
+        model: The served model.
+        model_config: vLLM's model config (for the layerwise reload).
+    """
+
+    def __init__(self, model: torch.nn.Module, model_config: Any) -> None:
+        self.model = model
+        self.model_config = model_config
+        self._in_place: set[str] | None = None
+
+    def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Reload `weights` whole (fused shards already completed by `load_together`)."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+        try:
+            self.model.load_weights(iter(weights))
+        finally:
+            # Always leave the model runnable: a half-finished reload crashes the next request.
+            finalize_layerwise_reload(self.model, self.model_config)
+
+    def load_patches(self, patches: list[WeightPatch]) -> None:
+        """Write what changed: in place where the parameter allows it, whole otherwise."""
+        in_place = self.in_place_names()
+        sparse = [
+            patch
+            for patch in patches
+            if patch.positions is not None and patch.name in in_place and not _holds_nan(patch)
+        ]
+        chosen = {patch.name for patch in sparse}
+        whole = [(patch.name, patch.tensor) for patch in patches if patch.name not in chosen]
+        if whole:
+            self(whole)
+        if sparse:
+            from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+                CheckpointWeightPatch,
+                load_checkpoint_weight_patches,
+            )
+
+            load_checkpoint_weight_patches(
+                self.model,
+                [
+                    CheckpointWeightPatch(
+                        name=patch.name,
+                        shape=tuple(patch.tensor.shape),
+                        dtype=patch.tensor.dtype,
+                        values=patch.tensor.reshape(-1)[patch.positions],
+                        indices=patch.positions,
+                    )
+                    for patch in sparse
+                ],
+                validate_unique_indices=False,  # positions are unique and sorted by construction
+            )
+        logger.info(
+            "delta-sync: wrote %d tensor(s) in place (%d changed elements), reloaded %d whole",
+            len(sparse),
+            sum(patch.positions.numel() for patch in sparse),
+            len(whole),
+        )
+
+    def in_place_names(self) -> set[str]:
+        """Checkpoint names whose changed elements can be written in place: those the
+        model keeps as a plain, non-empty floating-point tensor under the same name."""
+        if self._in_place is None:
+            runtime = dict(self.model.named_parameters())
+            self._in_place = {
+                name
+                for name, param in runtime.items()
+                if param.numel() > 0 and param.is_floating_point() and not _is_quantized(param)
+            }
+            try:
+                import vllm.model_executor.model_loader.checkpoint_weight_patch  # noqa: F401
+            except ImportError:  # vLLM before 0.29: no patch loader
+                logger.info("delta-sync: this vLLM has no checkpoint patch loader: every tensor is reloaded whole")
+                self._in_place = set()
+            logger.info(
+                "delta-sync: %d parameter(s) are written in place when they change (%s); the others are reloaded whole",
+                len(self._in_place),
+                ", ".join(sorted(self._in_place)[:4]) + (", ..." if len(self._in_place) > 4 else ""),
+            )
+        return self._in_place
+
+
+def _holds_nan(patch: WeightPatch) -> bool:
+    values = patch.tensor.reshape(-1)[patch.positions]
+    return bool(torch.isnan(values).any())
+
+
+def _is_quantized(param: torch.Tensor) -> bool:
+    return param.dtype not in (torch.bfloat16, torch.float16, torch.float32)
+
+
 def make_receiver(shapes: dict[str, tuple[int, ...]] | None, **kwargs) -> Receiver:
     """The worker's receiver: sharing the node snapshot under `DELTA_SYNC_SNAPSHOT_DIR`
     (default: `snapshots` in the download cache) with every worker of the machine, or a
@@ -248,7 +345,32 @@ def make_receiver(shapes: dict[str, tuple[int, ...]] | None, **kwargs) -> Receiv
         if root is not None:
             logger.warning("delta-sync: the checkpoint's shapes are unknown; this worker keeps a private snapshot")
         return Receiver(expected_shapes=shapes, **kwargs)
-    return SharedReceiver(snapshot_dir=root, expected_shapes=shapes, **kwargs)
+    return Receiver(store=NodeStore(root), expected_shapes=shapes, **kwargs)
+
+
+def make_prefetcher(receiver: Receiver, buckets: list[str]) -> Prefetcher | None:
+    """The worker's prefetcher (`DELTA_SYNC_PREFETCH`: seconds between polls, default 2;
+    `off` or 0 for none), watching the allow list's buckets; None for a private snapshot,
+    which is the model's own copy and cannot run ahead of it."""
+    raw = os.environ.get(PREFETCH_ENV, "").strip().lower()
+    if raw in ("off", "0", "none", "false"):
+        logger.info("delta-sync: %s=%s: versions are prepared when an update asks for them", PREFETCH_ENV, raw)
+        return None
+    if not receiver.store.shared:
+        logger.info("delta-sync: a private snapshot cannot be prepared ahead of the model: no prefetching")
+        return None
+    try:
+        interval = float(raw) if raw else 2.0
+    except ValueError:
+        raise ValueError(f"{PREFETCH_ENV} must be a number of seconds or 'off', got {raw!r}") from None
+    prefetcher = Prefetcher(receiver, interval=interval)
+    for bucket in buckets:
+        try:
+            prefetcher.watch(bucket)
+        except DeltaSyncError as exc:  # a prefix of many buckets, or a store this server cannot open
+            logger.info("delta-sync: not prefetching from %s: %s", bucket, exc)
+    prefetcher.start()
+    return prefetcher
 
 
 def snapshot_root_from_env() -> Path | None:

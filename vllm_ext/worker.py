@@ -49,14 +49,26 @@ class DeltaWorkerExtension:
         pending = receiver.pending
         # What the model serves: while an update is prepared, the snapshot is ahead of it.
         served = receiver.serving
-        return ReplicaStatus(
-            version=served.version,
-            anchor_version=served.anchor_version,
-            run_id=served.run_id,
-            model_checksum=served.model_checksum,
+        return ReplicaStatus.of(
+            served,
             pending=len(pending.names) if pending is not None else 0,
             updating=engine.updating,
+            prepared_version=receiver.prepared_version,
         ).to_dict()
+
+    def delta_sync_prefetch(self, bucket: str | None = None) -> dict[str, Any]:
+        """Prepare the newest version of `bucket` (and of every bucket watched) in the
+        snapshot now, on the engine's prefetch thread, while the server keeps generating.
+        Returns at once: the worker's status (`prepared_version` moves once the version is
+        ready: poll `delta_sync_status`) and `prefetching`, whether this worker prepares
+        versions ahead at all (not with `DELTA_SYNC_PREFETCH=off` or a private snapshot).
+
+        Args:
+            bucket: A bucket URL to watch from now on; it must be on the allow list.
+        """
+        engine = self._delta_engine()
+        engine.hint(bucket)
+        return {"prefetching": engine.prefetcher is not None, **self.delta_sync_status()}
 
     def _delta_engine(self) -> DeltaWeightTransferEngine:
         engine = getattr(self, "weight_transfer_engine", None)

@@ -19,10 +19,10 @@ import time
 from typing import Any
 
 from ..control import ReplicaStatus
+from ..control.client import Replica, ReplicaOptions
 from ..errors import BucketFileNotFoundError, DeltaSyncError, ReplicaError
 from ..layout import LATEST, Latest
 from ..storage import Bucket, open_bucket
-from ..trainer.replicas import Replica
 
 __all__ = ["Follower"]
 
@@ -49,8 +49,9 @@ class Follower:
         replica_url: Base URL of the vLLM server, e.g. `http://127.0.0.1:8000`.
         interval: Seconds between polls while all is well.
         max_backoff: Longest wait, in seconds, between polls that fail.
-        **replica_options: Passed to [`Replica`] (`timeout`, `retry_seconds`,
-            `pause_mode`, `headers`, `stale_session_seconds`).
+        options: How to talk to the server (a [`ReplicaOptions`]: `timeout`,
+            `retry_seconds`, `pause_mode`, `headers`, `stale_session_seconds`, ...).
+        **replica_options: Fields of [`ReplicaOptions`] to set on top of `options`.
 
     Example:
         ```python
@@ -69,6 +70,7 @@ class Follower:
         *,
         interval: float = 5.0,
         max_backoff: float = 120.0,
+        options: ReplicaOptions | None = None,
         **replica_options: Any,
     ) -> None:
         if interval <= 0:
@@ -76,7 +78,7 @@ class Follower:
         if max_backoff < interval:
             raise ValueError(f"max_backoff must be >= interval ({interval}), got {max_backoff}")
         self.bucket = open_bucket(bucket)
-        self.replica = Replica(replica_url, **replica_options)
+        self.replica = Replica(replica_url, options, **replica_options)
         self.interval = interval
         self.max_backoff = max_backoff
         #: The newest `latest.json` read, and the tag it was read with.
@@ -146,7 +148,7 @@ class Follower:
         if not _behind(served, latest):
             return None
         started = time.perf_counter()
-        status = self.replica.update(self.bucket.url)
+        status = self.replica.update(self.bucket.url, version=latest.version)
         self._check(status, latest)
         logger.info(
             "delta-sync: %s serves version %s of run %s (checksum %s; was version %s), caught up in %.2f s",

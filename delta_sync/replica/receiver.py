@@ -1,16 +1,19 @@
-"""`Receiver`: the replica side. Holds a bf16 snapshot and applies anchors and deltas to it.
+"""`Receiver`: the replica side. Checks anchors and deltas and applies them to a snapshot.
 
 An update has the lifecycle of vLLM's weight-transfer engines (start, update, finish):
 
 1. [`Receiver.prepare`] downloads a file (or catches up to `latest.json`), checks it and
    applies it to the snapshot, returning the open [`PendingUpdate`]; the model is not
    touched, and further `prepare` calls extend the same update.
-2. [`PendingUpdate.commit`] hands every changed tensor to `load_weights` once, rolling the
-   snapshot back if that fails; [`PendingUpdate.abort`] undoes the snapshot changes instead.
+2. [`Receiver.commit`] hands every changed tensor to `load_weights` once, rolling the
+   snapshot back if that fails; [`Receiver.abort`] undoes the snapshot changes instead
+   (`PendingUpdate.commit` and `.abort` say the same).
 
 [`Receiver.update`] does both. The receiver is framework-free: `load_weights` takes
 `list[tuple[name, tensor]]` and can be vLLM's `model.load_weights`, or
-[`module_weight_loader`] for a plain `torch.nn.Module`.
+[`module_weight_loader`] for a plain `torch.nn.Module`. Where the snapshot lives is its
+store's business (`delta_sync.replica.store`): this process's memory by default, or the
+machine's node snapshot (`delta_sync.replica.shared.NodeStore`).
 """
 
 from __future__ import annotations
@@ -21,13 +24,15 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, Protocol, runtime_checkable
+from urllib.parse import unquote
 
 import torch
 from torch import nn
 
-from ..control import ALLOWED_BUCKETS_ENV
+from ..control import ALLOWED_BUCKETS_ENV, UpdateInfo
 from ..errors import (
     ApplyError,
     BaseVersionError,
@@ -38,23 +43,29 @@ from ..errors import (
     SignatureError,
     UntrustedBucketError,
 )
-from ..format import Anchor, Delta, FileHeader, read_file
+from ..format import Anchor, Delta, DeltaFile, FileHeader, read_file
 from ..integrity import model_checksum, updated_checksum
 from ..layout import LATEST, Latest, is_manifest, is_part, parse_step_path, version_files
 from ..manifest import MAX_MANIFEST_BYTES, Manifest, PartRecord, read_version
 from ..parallel import parallel_map
 from ..signing import SIGNATURE_SUFFIX, VERIFY_KEY_ENV, FileSignature, VerifyKey, file_sha256
-from ..sparse import gather, scatter_
+from ..sparse import gather
 from ..storage import Bucket, clean_path, open_bucket
 from ..storage.cache import DownloadCache
+from ..version import HeldVersion
+from .store import DeltaUndo, PrivateSnapshot, SnapshotMemory, SnapshotStore, changed_between
 
 __all__ = [
     "ApplyResult",
-    "Held",
     "LoadWeights",
+    "ModuleWeightLoader",
+    "PatchingWeightLoader",
     "PendingUpdate",
+    "Prepared",
     "Receiver",
+    "ShapedWeightLoader",
     "SnapshotMemory",
+    "WeightPatch",
     "expected_shapes_of",
     "module_weight_loader",
 ]
@@ -64,11 +75,80 @@ logger = logging.getLogger("delta_sync")
 LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], object]
 
 
-def module_weight_loader(module: nn.Module) -> LoadWeights:
+@runtime_checkable
+class ShapedWeightLoader(Protocol):
+    """A `load_weights` callable that also knows the shapes of the parameters it loads;
+    a [`Receiver`] given no `expected_shapes` checks anchors against them."""
+
+    expected_shapes: Mapping[str, tuple[int, ...]]
+
+    def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> object: ...
+
+
+@dataclass(frozen=True)
+class WeightPatch:
+    """One parameter for the model to load.
+
+    Args:
+        name: The checkpoint name.
+        tensor: Its full bf16 tensor at the version loaded.
+        positions: The flat positions (int64, ascending) whose values differ from the
+            version the model holds, or None when they are not known (load it whole).
+    """
+
+    name: str
+    tensor: torch.Tensor
+    positions: torch.Tensor | None
+
+
+@runtime_checkable
+class PatchingWeightLoader(Protocol):
+    """A `load_weights` callable that can also write only the changed elements of a
+    parameter ([`WeightPatch`]); a [`Receiver`] then hands it the positions that changed."""
+
+    def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> object: ...
+
+    def load_patches(self, patches: list[WeightPatch]) -> object: ...
+
+
+class ModuleWeightLoader:
+    """Copies tensors into a module's parameters by name: whole, or only the elements that
+    changed (a [`ShapedWeightLoader`] and a [`PatchingWeightLoader`]).
+
+    Args:
+        module: The module to load into.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self._params = dict(module.named_parameters())
+        self.expected_shapes = expected_shapes_of(module)
+
+    def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        self.load_patches([WeightPatch(name, tensor, None) for name, tensor in weights])
+
+    def load_patches(self, patches: list[WeightPatch]) -> None:
+        # Check every tensor before copying any, so a mismatch never half-loads the module.
+        for patch in patches:
+            param = self._params.get(patch.name)
+            if param is None or param.shape != patch.tensor.shape:
+                shape = None if param is None else list(param.shape)
+                raise ApplyError(
+                    f"cannot load {patch.name!r} of shape {list(patch.tensor.shape)} into the module ({shape})"
+                )
+        with torch.no_grad():
+            for patch in patches:
+                param = self._params[patch.name]
+                if patch.positions is None or not param.is_contiguous():
+                    param.copy_(patch.tensor)
+                else:
+                    param.view(-1)[patch.positions] = patch.tensor.reshape(-1)[patch.positions].to(param.dtype)
+
+
+def module_weight_loader(module: nn.Module) -> ModuleWeightLoader:
     """A `load_weights` callable that copies tensors into a module's parameters by name.
 
-    The callable also carries the module's parameter shapes (`expected_shapes`), which a
-    [`Receiver`] given no `expected_shapes` of its own checks anchors against.
+    It knows the module's parameter shapes, which a [`Receiver`] given no
+    `expected_shapes` of its own checks anchors against.
 
     Example:
         ```python
@@ -76,60 +156,7 @@ def module_weight_loader(module: nn.Module) -> LoadWeights:
         >>> receiver = Receiver(load_weights=module_weight_loader(replica))
         ```
     """
-    params = dict(module.named_parameters())
-
-    def load_weights(weights: list[tuple[str, torch.Tensor]]) -> None:
-        # Check every tensor before copying any, so a mismatch never half-loads the module.
-        for name, tensor in weights:
-            if name not in params or params[name].shape != tensor.shape:
-                shape = None if name not in params else list(params[name].shape)
-                raise ApplyError(f"cannot load {name!r} of shape {list(tensor.shape)} into the module ({shape})")
-        with torch.no_grad():
-            for name, tensor in weights:
-                params[name].copy_(tensor)
-
-    load_weights.expected_shapes = expected_shapes_of(module)  # type: ignore[attr-defined]
-    return load_weights
-
-
-@dataclass(frozen=True)
-class Held:
-    """A version as a receiver holds it.
-
-    Args:
-        version: The version, or None.
-        anchor_version: The anchor it descends from.
-        run_id: The run it belongs to.
-        model_checksum: Digest of its bf16 weights.
-    """
-
-    version: int | None
-    anchor_version: int | None
-    run_id: str | None
-    model_checksum: str | None
-
-
-@dataclass(frozen=True)
-class SnapshotMemory:
-    """Where a receiver's snapshot lives, and what this process holds of it.
-
-    Args:
-        shared_path: The node snapshot's file, or None for a private snapshot.
-        shared_bytes: Size of that file (one copy per machine, however many map it).
-        private_bytes: Bytes of the snapshot this process holds as its own copy: a private
-            snapshot's tensors, or copy-on-write pages of the shared file (none while it is
-            mapped shared, as it is).
-        resident_bytes: Pages of the shared file resident in this process's mapping.
-        proportional_bytes: This process's share of them (the kernel's PSS: pages mapped by
-            `n` processes count `1/n`), so the shares of a machine's workers add up to
-            what the machine holds.
-    """
-
-    shared_path: str | None
-    shared_bytes: int
-    private_bytes: int
-    resident_bytes: int = 0
-    proportional_bytes: int = 0
+    return ModuleWeightLoader(module)
 
 
 @dataclass(frozen=True)
@@ -155,35 +182,41 @@ class ApplyResult:
         return not self.applied
 
 
-@dataclass
-class _DeltaUndo:
-    """What undoes one delta on the snapshot: O(changed elements).
+@dataclass(frozen=True)
+class Prepared:
+    """What one [`Receiver.prepare`] call did.
 
     Args:
-        previous: Parameter name -> (indices, values there before the delta).
-        checksums: Checksums of those parameters before the delta.
-        version: The version held before the delta.
-        anchor_version: The anchor version held before the delta.
+        version: The version the receiver holds afterwards (what a commit loads).
+        applied: Sources of the files this call checked and applied to the snapshot.
+        snapshot_version: The version the snapshot holds: ahead of `version` when another
+            process sharing it has moved it further.
     """
 
-    previous: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    checksums: dict[str, int]
     version: int | None
-    anchor_version: int | None
+    applied: tuple[str, ...]
+    snapshot_version: int | None
 
 
+@dataclass(eq=False)
 class PendingUpdate:
-    """Files applied to a [`Receiver`]'s snapshot but not yet loaded into the model.
+    """Files applied to a [`Receiver`]'s snapshot but not yet loaded into the model: a
+    record the receiver keeps while an update is open.
 
-    [`Receiver.prepare`] returns it; end it with exactly one call of [`commit`] (load the
-    changed tensors) or [`abort`] (undo the snapshot changes). While it is open the
-    receiver's `version`, `weights` and `checksums` already describe the prepared version,
-    and further `prepare` calls on the receiver extend this same update.
+    [`Receiver.prepare`] returns it; end it with exactly one [`Receiver.commit`] (load the
+    changed tensors) or [`Receiver.abort`] (undo the snapshot changes); `commit()` and
+    `abort()` here say the same. While it is open the receiver's `version`, `weights` and
+    `checksums` already describe the prepared version, and further `prepare` calls on the
+    receiver extend this same update.
 
     Undoing a delta costs O(changed elements): its old values are kept. An anchor replaces
-    every tensor and is not undone (that would take a second full copy of the model), so
-    aborting an update that holds an anchor leaves the receiver with no trustworthy
-    version: its next update loads an anchor.
+    every tensor and is not undone in a private snapshot (that would take a second full
+    copy of the model), so aborting an update that holds an anchor leaves such a receiver
+    with no trustworthy version: its next update loads an anchor.
+
+    Args:
+        receiver: The receiver it belongs to.
+        served: What the model held when the update opened.
 
     Example:
         ```python
@@ -194,20 +227,21 @@ class PendingUpdate:
         ```
     """
 
-    def __init__(self, receiver: Receiver) -> None:
-        self._receiver = receiver
-        self._names: set[str] = set()
-        self._applied: list[str] = []
-        self._changed_elements = 0
-        self._undo: list[_DeltaUndo] = []
-        self._anchored = False
-        self._state = "open"
-        self._started = time.perf_counter()
-
-    @property
-    def names(self) -> frozenset[str]:
-        """Parameters changed so far: what [`commit`] loads."""
-        return frozenset(self._names)
+    receiver: Receiver
+    served: HeldVersion | None
+    #: Elements the applied files changed.
+    changed_elements: int = 0
+    #: How to undo the deltas applied since the last anchor, oldest first.
+    undo: list[DeltaUndo] = field(default_factory=list)
+    #: Whether an anchor was applied (nothing before it can be undone in a private snapshot).
+    anchored: bool = False
+    #: What each `prepare` call did, in order.
+    steps: list[Prepared] = field(default_factory=list)
+    #: "open", "committed" or "aborted".
+    state: Literal["open", "committed", "aborted"] = "open"
+    started: float = field(default_factory=time.perf_counter)
+    _names: set[str] = field(default_factory=set)
+    _applied: list[str] = field(default_factory=list)
 
     @property
     def applied(self) -> tuple[str, ...]:
@@ -215,88 +249,61 @@ class PendingUpdate:
         return tuple(self._applied)
 
     @property
+    def names(self) -> frozenset[str]:
+        """Parameters the model must load to reach the prepared version: what a commit loads."""
+        return frozenset(self._names)
+
+    @property
     def version(self) -> int | None:
-        """The version the snapshot holds now."""
-        return self._receiver.version
+        """The version prepared."""
+        return self.receiver.version
 
     @property
     def is_open(self) -> bool:
         """Neither committed nor aborted yet."""
-        return self._state == "open"
+        return self.state == "open"
+
+    @property
+    def last(self) -> Prepared | None:
+        """What the latest `prepare` call did."""
+        return self.steps[-1] if self.steps else None
 
     def commit(self, load_weights: LoadWeights | None = None) -> ApplyResult:
-        """Hand every changed tensor to `load_weights`, in one call.
-
-        If loading fails, the snapshot goes back to where it was before the first
-        `prepare` and the old tensors are loaded again; if that fails too, or the update
-        held an anchor, the receiver's next update loads an anchor.
-
-        Args:
-            load_weights: Receives `[(name, full bf16 tensor), ...]`; the receiver's own
-                `load_weights` when None.
-
-        Returns:
-            What was applied; `seconds` counts from the first `prepare`.
-
-        Raises:
-            RuntimeError: The update was already committed or aborted.
-        """
-        receiver = self._receiver
-        with receiver._lock:
-            self._close("committed")
-            load = load_weights if load_weights is not None else receiver.load_weights
-            names = sorted(self._names)
-            try:
-                receiver._load(load, names)
-            except BaseException:
-                receiver._roll_back_pending(self, load, names)
-                raise
-            seconds = time.perf_counter() - self._started
-            return ApplyResult(receiver.version, self.applied, self._changed_elements, len(names), seconds)
+        """[`Receiver.commit`] this update."""
+        return self.receiver.commit(self, load_weights)
 
     def abort(self) -> None:
-        """Undo every change to the snapshot; the model is not touched.
+        """[`Receiver.abort`] this update."""
+        self.receiver.abort(self)
 
-        Raises:
-            RuntimeError: The update was already committed or aborted.
-        """
-        receiver = self._receiver
-        with receiver._lock:
-            self._close("aborted")
-            receiver._abort_pending(self)
-
-    # -- used by the receiver -----------------------------------------------------------
-
-    def _record(self, source: str, names: Iterable[str], changed_elements: int, undo: _DeltaUndo | None) -> None:
+    def record(self, source: str, names: Iterable[str], changed_elements: int, undo: DeltaUndo | None) -> None:
         """Note one file about to be applied; `undo` is None for an anchor."""
         if undo is None:
-            # Nothing before an anchor can be restored once it overwrote every tensor.
-            self._anchored = True
-            self._undo.clear()
+            self.anchored = True
+            self.undo.clear()
         else:
-            self._undo.append(undo)
+            self.undo.append(undo)
         self._names.update(names)
         self._applied.append(source)
-        self._changed_elements += changed_elements
+        self.changed_elements += changed_elements
 
-    def _close(self, state: str) -> None:
-        if self._state != "open":
-            raise RuntimeError(f"this pending update was already {self._state}")
-        self._state = state
-        self._receiver._pending = None
+    def need(self, names: Iterable[str]) -> None:
+        """Parameters the model must load besides those the applied files changed."""
+        self._names.update(names)
 
-    def _undo_deltas(self) -> None:
-        while self._undo:
-            self._receiver._restore(self._undo.pop())
+    def close(self, state: Literal["committed", "aborted"]) -> None:
+        if self.state != "open":
+            raise RuntimeError(f"this pending update was already {self.state}")
+        self.state = state
 
 
 class Receiver:
-    """Applies anchors and deltas to a local bf16 snapshot, all or nothing.
+    """Applies anchors and deltas to a bf16 snapshot, all or nothing.
 
     An update follows the lifecycle of vLLM's weight-transfer engines: [`prepare`]
     downloads files, checks them and applies them to the snapshot, returning a
-    [`PendingUpdate`]; its `commit` hands the changed tensors to `load_weights` (rolling the
-    snapshot back if that fails) and its `abort` undoes the snapshot changes. [`update`]
+    [`PendingUpdate`]; [`commit`] hands the changed tensors to `load_weights` (rolling the
+    snapshot back if that fails) and [`abort`] undoes the snapshot changes. [`update`]
     does both.
 
     Before anything changes, every file is checked: [`read_file`] and `Anchor.verify`
@@ -310,7 +317,8 @@ class Receiver:
         load_weights: Receives `[(name, full bf16 tensor), ...]` for every parameter an
             update changed. None to keep the snapshot only.
         expected_shapes: Parameter name -> shape the model expects. When given, anchors must
-            hold exactly these parameters; otherwise the first anchor defines them.
+            hold exactly these parameters; otherwise those of a [`ShapedWeightLoader`], else
+            the first anchor defines them.
         allowed_buckets: Bucket URL prefixes this receiver may load from; None allows any.
         cache: Where downloads go; a default [`DownloadCache`] when None.
         verify_key: Apply only versions signed by the trainer's key (a
@@ -320,6 +328,9 @@ class Receiver:
         load_together: Maps the names an update changed to every name `load_weights`
             must receive with them (vLLM rebuilds a fused qkv or gate_up layer from all its
             shards); None loads exactly the changed ones.
+        store: Where the snapshot lives: a [`PrivateSnapshot`] in this process (the
+            default), or the machine's node snapshot (`delta_sync.replica.shared.NodeStore`,
+            which needs `expected_shapes`).
 
     Example:
         ```python
@@ -340,12 +351,16 @@ class Receiver:
         cache: DownloadCache | None = None,
         verify_key: VerifyKey | str | os.PathLike | None = None,
         load_together: Callable[[set[str]], set[str]] | None = None,
+        store: SnapshotStore | None = None,
     ) -> None:
         self.load_weights = load_weights
         self.load_together = load_together
-        if expected_shapes is None:
-            expected_shapes = getattr(load_weights, "expected_shapes", None)
+        if expected_shapes is None and isinstance(load_weights, ShapedWeightLoader):
+            expected_shapes = load_weights.expected_shapes
         self.expected_shapes = None if expected_shapes is None else {k: tuple(v) for k, v in expected_shapes.items()}
+        self._store: SnapshotStore = store if store is not None else PrivateSnapshot()
+        if self._store.shared and self.expected_shapes is None:
+            raise ValueError("a shared snapshot needs the model's parameter shapes (expected_shapes)")
         if verify_key is None:
             verify_key = VerifyKey.from_env()
         elif not isinstance(verify_key, VerifyKey):
@@ -355,35 +370,78 @@ class Receiver:
             _warn_unsigned_once()
         self.allowed_buckets = None if allowed_buckets is None else [_normalise_url(u) for u in allowed_buckets]
         self.cache = cache or DownloadCache()
-        self.weights: dict[str, torch.Tensor] = {}
-        self.checksums: dict[str, int] = {}
-        self.version: int | None = None
-        self.anchor_version: int | None = None
-        self.run_id: str | None = None
-        self.epoch: str | None = None
-        # Why the next update must load an anchor (the model and the snapshot may differ), or None.
-        self._anchor_needed: str | None = None
+        # The version this receiver's model holds, or will once the open update is committed.
+        self._held: HeldVersion | None = None
         self._pending: PendingUpdate | None = None
-        self._serving = Held(None, None, None, None)
+        # The model may hold weights of no version (a load failed): load every tensor next time.
+        self._reload_all = False
         self._lock = threading.RLock()
+
+    # -- what is held -------------------------------------------------------------------------
+
+    @property
+    def held(self) -> HeldVersion | None:
+        """The version held (prepared, while an update is open), with its checksums."""
+        return self._held
+
+    @property
+    def version(self) -> int | None:
+        return None if self._held is None else self._held.version
+
+    @property
+    def anchor_version(self) -> int | None:
+        return None if self._held is None else self._held.id.anchor_version
+
+    @property
+    def run_id(self) -> str | None:
+        return None if self._held is None else self._held.id.run_id
+
+    @property
+    def epoch(self) -> str | None:
+        return None if self._held is None else self._held.id.epoch
+
+    @property
+    def checksums(self) -> Mapping[str, int]:
+        """State checksum of every parameter held (see `delta_sync.integrity`)."""
+        return {} if self._held is None else self._held.checksums
 
     @property
     def model_checksum(self) -> str | None:
         """Digest of the held weights (see `delta_sync.integrity.model_checksum`), or None."""
-        return model_checksum(self.checksums) if self.checksums else None
+        return self._held.model_checksum if self._held is not None and self._held.checksums else None
 
-    def memory(self) -> SnapshotMemory:
-        """Where the snapshot lives: here, all in this process."""
-        return SnapshotMemory(None, 0, sum(t.numel() * t.element_size() for t in self.weights.values()))
+    @property
+    def store(self) -> SnapshotStore:
+        """Where the snapshot lives (see `delta_sync.replica.store`)."""
+        return self._store
+
+    @property
+    def weights(self) -> Mapping[str, torch.Tensor]:
+        """The snapshot's tensors, at the version the snapshot holds."""
+        return self._store.weights
+
+    @property
+    def serving(self) -> HeldVersion | None:
+        """What the model holds: the version last committed. While an update is prepared
+        and not yet committed, the snapshot is ahead of the model, and this still names
+        what the model serves (what a replica reports)."""
+        # No lock: a status request must not wait for a prefetch or a load in progress.
+        pending = self._pending
+        return pending.served if pending is not None else self._held
 
     @property
     def pending(self) -> PendingUpdate | None:
         """The update prepared and not yet committed or aborted, if any."""
         return self._pending
 
+    def memory(self) -> SnapshotMemory:
+        """Where the snapshot lives, and what this process holds of it."""
+        return self._store.memory()
+
     def invalidate(self, reason: str) -> None:
-        """Declare the model out of step with the snapshot: deltas are refused until the
-        next catch-up loads an anchor (a `SharedReceiver` reloads every tensor instead).
+        """Declare the model out of step with the snapshot: with a private snapshot, deltas
+        are refused until the next catch-up loads an anchor; with a shared one, the next
+        update reloads every tensor.
 
         Args:
             reason: What happened, for the log and for the error a refused delta raises.
@@ -394,54 +452,65 @@ class Receiver:
 
     # -- the lifecycle ----------------------------------------------------------------------
 
-    def prepare(self, bucket: Bucket | str | os.PathLike, filename: str | None = None) -> PendingUpdate:
+    def prepare(
+        self,
+        bucket: Bucket | str | os.PathLike,
+        filename: str | None = None,
+        *,
+        kind: Literal["anchor", "delta"] | None = None,
+    ) -> PendingUpdate:
         """Download, check and apply to the snapshot one file from `bucket`, or catch up to
         its `latest.json` when `filename` is None; load nothing into the model.
 
         A catch-up applies the deltas from the held version when they chain, else the
         newest anchor at or before `latest.json`'s version and the deltas after it. While
         the returned update is open, further calls extend it (a vLLM session may send
-        several `/update_weights`); its `commit` loads the union of what they changed.
+        several `/update_weights`); its commit loads the union of what they changed.
+        What this call did is the update's [`PendingUpdate.last`].
 
         Args:
             bucket: The bucket (or its URL) the trainer publishes to.
             filename: Path of an anchor or delta inside the bucket.
+            kind: What the sender says `filename` is (TRL's `update_kind`); a file of the
+                other kind is refused before anything is applied.
 
         Returns:
             The open [`PendingUpdate`] (the same object until it is committed or aborted).
 
         Raises:
             DeltaSyncError: The bucket is not allowed, the path escapes it, a file is
-                missing, malformed, unsigned (with a verify key) or newer than the bucket's
-                `latest.json`, or it cannot be applied. A call that opened the update
-                aborts it (all or nothing); files applied by earlier calls stay in
-                [`pending`] for the caller to commit or abort.
+                missing, malformed, unsigned (with a verify key), newer than the bucket's
+                `latest.json` or not of `kind`, or it cannot be applied. A call that
+                opened the update aborts it (all or nothing); files applied by earlier
+                calls stay in [`pending`] for the caller to commit or abort.
 
         Example:
             ```python
             >>> pending = receiver.prepare("./deltas", "deltas/step_00000007.safetensors")
             >>> pending = receiver.prepare("./deltas", "deltas/step_00000008.safetensors")
-            >>> [path.rsplit("/", 1)[-1] for path in pending.commit().applied]
+            >>> [path.rsplit("/", 1)[-1] for path in receiver.commit(pending).applied]
             ['step_00000007.safetensors', 'step_00000008.safetensors']
             ```
         """
+        if kind is not None and filename is None:
+            raise ValueError("a kind describes the file named by filename; a catch-up has none")
         opened = self.check_bucket(bucket)
         path = None if filename is None else clean_path(filename)
         with self._lock:
             opened_here = self._pending is None
             pending = self._open_pending() if opened_here else self._pending
             try:
-                latest = self._advance(opened, path, pending)
+                latest = self._advance(opened, path, kind, pending)
             except BaseException:
                 if opened_here:
-                    pending.abort()  # all or nothing: a failed catch-up leaves the replica where it was
+                    self.abort(pending)  # all or nothing: a failed catch-up leaves the replica where it was
                 raise
             self._prune_cache(opened, latest)
             return pending
 
     def update(self, bucket: Bucket | str | os.PathLike, filename: str | None = None) -> ApplyResult:
         """Apply and load one file from `bucket`, or catch up to its `latest.json` when
-        `filename` is None: [`prepare`], then `commit`.
+        `filename` is None: [`prepare`], then [`commit`].
 
         Args:
             bucket: The bucket (or its URL) the trainer publishes to.
@@ -457,28 +526,126 @@ class Receiver:
         started = time.perf_counter()
         with self._lock:
             self._refuse_if_pending("update")
-            pending = self.prepare(bucket, filename)
-            result = pending.commit()
+            result = self.commit(self.prepare(bucket, filename))
         return dataclasses.replace(result, seconds=time.perf_counter() - started)
 
-    def apply(self, file: Anchor | Delta) -> ApplyResult:
+    def apply(self, file: Anchor | DeltaFile, *, bucket: Bucket | str | os.PathLike | None = None) -> ApplyResult:
         """Apply and load an already read anchor or delta (see [`read_file`]).
 
         Re-applying the version held, or an older one of the same run, is a no-op.
+
+        Args:
+            file: The file.
+            bucket: The bucket it came from: needed by a store kept per bucket (the node
+                snapshot), not by a private one.
 
         Raises:
             DeltaSyncError: The file cannot be applied; nothing changed.
             RuntimeError: An update prepared earlier is still open.
         """
+        url = None if bucket is None else self.check_bucket(bucket).url
         with self._lock:
             self._refuse_if_pending("apply")
             pending = self._open_pending()
             try:
-                self._prepare_file(file, pending)
+                with self._store.session(url, self.expected_shapes):
+                    applied = self._prepare_file(file, pending)
+                    self._settle(pending, file.header.version, applied)
             except BaseException:
-                pending.abort()
+                self.abort(pending)
                 raise
-            return pending.commit()
+            return self.commit(pending)
+
+    def commit(self, pending: PendingUpdate, load_weights: LoadWeights | None = None) -> ApplyResult:
+        """Hand every changed tensor of `pending` to `load_weights`, in one call.
+
+        If loading fails, the receiver goes back to the version the model served and loads
+        the old tensors again; if that fails too, or (with a private snapshot) the update
+        held an anchor, the next update loads an anchor or every tensor.
+
+        Args:
+            pending: The open update [`prepare`] returned.
+            load_weights: Receives `[(name, full bf16 tensor), ...]`; the receiver's own
+                `load_weights` when None.
+
+        Returns:
+            What was applied; `seconds` counts from the first `prepare`.
+
+        Raises:
+            RuntimeError: The update was already committed or aborted.
+        """
+        with self._lock:
+            self._close(pending, "committed")
+            load = load_weights if load_weights is not None else self.load_weights
+            names = sorted(pending.names)
+            touched: list[bool] = []
+            try:
+                # After an anchor the model may hold anything (a failed load before it): whole tensors.
+                self._load(load, self._held, names, touched, base=None if pending.anchored else pending.served)
+            except BaseException:
+                self._roll_back(pending, load, names, bool(touched))
+                raise
+            seconds = time.perf_counter() - pending.started
+            return ApplyResult(self.version, pending.applied, pending.changed_elements, len(names), seconds)
+
+    def abort(self, pending: PendingUpdate) -> None:
+        """Undo every change `pending` made to the snapshot; the model is not touched. (A
+        shared snapshot keeps the versions it checked: only this receiver goes back.)
+
+        Raises:
+            RuntimeError: The update was already committed or aborted.
+        """
+        with self._lock:
+            self._close(pending, "aborted")
+            self._revert(pending)
+
+    def prefetch(self, bucket: Bucket | str | os.PathLike) -> int | None:
+        """Bring a shared snapshot to the bucket's `latest.json` while the model keeps
+        serving what it serves: download, verify, decode and apply, but load nothing. The
+        next [`prepare`] of those versions then finds them in the snapshot and only works
+        out what the model must load.
+
+        Args:
+            bucket: The bucket (or its URL) the trainer publishes to.
+
+        Returns:
+            The version the snapshot holds afterwards; None when the snapshot holds
+            another bucket's versions (an update for this bucket moves it here first).
+
+        Raises:
+            DeltaSyncError: As a catch-up [`prepare`]; the snapshot keeps every version
+                checked before the failure, and what the model serves is unchanged.
+            ValueError: The snapshot is private: ahead of its model it could not give the
+                model's own version any more.
+        """
+        if not self._store.shared:
+            raise ValueError("prefetching needs a shared snapshot (a NodeStore): a private one is the model's own copy")
+        opened = self.check_bucket(bucket)
+        with self._lock:
+            if not self._store.is_for(opened.url):
+                # The model's version lives in another bucket's snapshot: stay there until
+                # an update asks for this bucket.
+                return None
+            # Records what the catch-up applied, for its checks only: nothing here is loaded.
+            scratch = PendingUpdate(self, served=self._held)
+            with self._store.session(opened.url, self.expected_shapes):
+                latest = self._read_latest(opened)
+                self._follow(latest)
+                self._catch_up(opened, scratch, latest)
+                held = self._store.held
+            if scratch.applied:
+                logger.info(
+                    "delta-sync: prefetched v%s into the snapshot (%d file(s))", held.version, len(scratch.applied)
+                )
+            return None if held is None else held.version
+
+    @property
+    def prepared_version(self) -> int | None:
+        """The newest version the snapshot held when this process last looked, ready for a
+        commit to load (with a shared snapshot it may be ahead of [`version`]); None before
+        anything is held. Takes no lock: a status request never waits for a writer."""
+        seen = self._store.last_seen
+        return None if seen is None else seen.version
 
     def check_bucket(self, bucket: Bucket | str | os.PathLike) -> Bucket:
         """Open `bucket`, refusing it unless it is on the allow list."""
@@ -487,40 +654,76 @@ class Receiver:
             url = _normalise_url(opened.url)
             if not self.allowed_buckets:
                 raise UntrustedBucketError(
-                    f"bucket {opened.url} refused: this receiver trusts no bucket yet "
+                    f"bucket {_shown(opened.url)} refused: this receiver trusts no bucket yet "
                     f"(for a vLLM server, set {ALLOWED_BUCKETS_ENV})"
                 )
             if not any(url == allowed or url.startswith(allowed + "/") for allowed in self.allowed_buckets):
                 raise UntrustedBucketError(
-                    f"bucket {opened.url} is not on this receiver's allow list {self.allowed_buckets}"
+                    f"bucket {_shown(opened.url)} is not on this receiver's allow list "
+                    f"({', '.join(_shown(allowed) for allowed in self.allowed_buckets)}): "
+                    f"publish to one of those, or add it to the list ({ALLOWED_BUCKETS_ENV} on a vLLM server, "
+                    "comma-separated; relative paths there resolve against the server's working directory)"
                 )
         return opened
 
-    def _advance(self, bucket: Bucket, path: str | None, pending: PendingUpdate) -> Latest:
-        """Apply `path`, or catch up to `latest.json`, to the snapshot; returns `latest.json`."""
-        latest = self._read_latest(bucket)
-        self._follow(latest)
-        if path is None:
-            self._catch_up(bucket, pending, latest)
-        else:
-            self._prepare_path(bucket, path, pending, latest)
+    def _advance(
+        self, bucket: Bucket, path: str | None, kind: Literal["anchor", "delta"] | None, pending: PendingUpdate
+    ) -> Latest:
+        """Bring the snapshot to the version asked for (unless another process sharing it
+        already has), then make that version this receiver's; returns `latest.json`."""
+        applied = len(pending.applied)
+        with self._store.session(bucket.url, self.expected_shapes):
+            latest = self._read_latest(bucket)
+            self._follow(latest)
+            if path is None:
+                self._catch_up(bucket, pending, latest)
+                version = None
+            else:
+                self._prepare_path(bucket, path, pending, latest, kind)
+                step = parse_step_path(path)
+                version = None if step is None else step[1]
+            self._settle(pending, version, tuple(pending.applied[applied:]))
         return latest
 
+    def _settle(self, pending: PendingUpdate, version: int | None, applied: tuple[str, ...]) -> None:
+        """Make `version` of the snapshot (its newest when None) the one this receiver holds,
+        with what its model must load to reach it from what it serves."""
+        snapshot = self._store.held
+        target = self._target(version, applied=bool(applied))
+        names = None if self._reload_all else changed_between(self._store, pending.served, target)
+        pending.need(self._everything() if names is None else names)
+        self._held = target
+        pending.steps.append(Prepared(target.version, applied, None if snapshot is None else snapshot.version))
+        if snapshot is not None and target.version != snapshot.version:
+            logger.info(
+                "delta-sync: the node snapshot is at v%s; loading v%s from it", snapshot.version, target.version
+            )
+
+    def _target(self, version: int | None, *, applied: bool) -> HeldVersion:
+        """The version this receiver was asked for, now that the snapshot holds it or more
+        (`applied`: this call changed the snapshot)."""
+        snapshot = self._store.held
+        if snapshot is None:
+            raise ApplyError("the snapshot holds no version after the update")
+        if version is None:
+            version = snapshot.version
+        held = self._held
+        if not applied and held is not None and held.id.same_start(snapshot.id) and version <= held.version:
+            return held  # asked for what it holds, or older: nothing to do
+        target = self._store.version(version)
+        if target is None:
+            raise self._store.moved_past(version)  # before anything is loaded
+        return target
+
     def _open_pending(self) -> PendingUpdate:
-        self._serving = self._held()
-        self._pending = PendingUpdate(self)
+        self._pending = PendingUpdate(self, served=self._held)
         return self._pending
 
-    def _held(self) -> Held:
-        return Held(self.version, self.anchor_version, self.run_id, self.model_checksum)
-
-    @property
-    def serving(self) -> Held:
-        """What the model holds: the version last committed. While an update is prepared
-        and not yet committed, the snapshot is ahead of the model, and this still names
-        what the model serves (what a replica reports)."""
-        with self._lock:
-            return self._serving if self._pending is not None else self._held()
+    def _close(self, pending: PendingUpdate, state: Literal["committed", "aborted"]) -> None:
+        if pending.receiver is not self:
+            raise ValueError("that pending update belongs to another receiver")
+        pending.close(state)
+        self._pending = None
 
     def _refuse_if_pending(self, method: str) -> None:
         if self._pending is not None:
@@ -531,23 +734,24 @@ class Receiver:
         return Latest.from_json(bucket.read_bytes(LATEST), source=source, verify_key=self.verify_key)
 
     def _follow(self, latest: Latest) -> None:
-        """Notice when what is held is not on the bucket's trajectory: another run, an
-        abandoned start of this one, a version past the bucket's pointer, or the pointer's
-        version with other weights. Only an anchor of the bucket's may then replace it."""
-        if self.version is None:
+        """Notice when what the snapshot holds is not on the bucket's trajectory: another
+        run, an abandoned start of this one, a version past the bucket's pointer, or the
+        pointer's version with other weights. Only an anchor of the bucket's may then replace it."""
+        held = self._store.held
+        if held is None:
             return
-        if latest.run_id != self.run_id:
+        if latest.run_id != held.id.run_id:
             problem = f"the bucket moved on to another run ({latest.run_id})"
-        elif not latest.owns(self.version, self.epoch or ""):
+        elif not latest.owns(held.version, held.id.epoch):
             problem = f"the bucket moved on to a restart of the run (epoch {latest.epoch or '-'})"
-        elif self.version > latest.version:
-            problem = f"version {self.version} is held, but the bucket's latest.json names {latest.version}"
-        elif self.version == latest.version and self.model_checksum != latest.model_checksum:
-            problem = f"version {self.version} is held with other weights than the bucket's latest.json names"
+        elif held.version > latest.version:
+            problem = f"version {held.version} is held, but the bucket's latest.json names {latest.version}"
+        elif held.version == latest.version and held.model_checksum != latest.model_checksum:
+            problem = f"version {held.version} is held with other weights than the bucket's latest.json names"
         else:
             return
         logger.warning("delta-sync: %s; the next update loads an anchor", problem)
-        self._distrust(problem)
+        self._store.distrust(problem)
 
     # -- finding the files --------------------------------------------------------------------
 
@@ -565,12 +769,13 @@ class Receiver:
         if self._is_stale(latest.version, latest.run_id, latest.epoch):
             return
         deltas = {v: path for v, path in version_files(bucket.list("deltas"), "delta").items() if v <= latest.version}
-        if self.version is not None and self.run_id == latest.run_id and not self._anchor_needed:
+        held = self._store.held
+        if held is not None and held.id.run_id == latest.run_id and not self._store.anchor_needed:
             try:
-                self._prepare_chain(bucket, deltas, self.version, pending, latest)
+                self._prepare_chain(bucket, deltas, held.version, pending, latest)
             except (BaseVersionError, IntegrityError, FormatError, SignatureError) as exc:
-                logger.info("delta-sync: deltas do not lead from v%s to v%d (%s)", self.version, latest.version, exc)
-        if self.version != latest.version or self.run_id != latest.run_id:
+                logger.info("delta-sync: deltas do not lead from v%s to v%d (%s)", held.version, latest.version, exc)
+        if not _reached(self._store.held, latest, weights=True):
             anchors = version_files(bucket.list("anchors"), "anchor")
             usable = sorted(v for v in anchors if v <= latest.version)
             if not usable:
@@ -578,9 +783,14 @@ class Receiver:
             logger.info("delta-sync: catching up from anchor v%d", usable[-1])
             self._prepare_path(bucket, anchors[usable[-1]], pending, latest)
             self._prepare_chain(bucket, deltas, usable[-1], pending, latest)
-        if self.version != latest.version:
+        held = self._store.held
+        if not _reached(held, latest, weights=False):
+            reached = "no version" if held is None else f"version {held.version}"
+            raise ApplyError(f"{bucket.url}: catch-up reached {reached}, but latest.json names {latest.version}")
+        if not _reached(held, latest, weights=True):
             raise ApplyError(
-                f"{bucket.url}: catch-up reached version {self.version}, but latest.json names {latest.version}"
+                f"{bucket.url}: catch-up reached version {latest.version} with weights {held.model_checksum} of "
+                f"run {held.id.run_id}, but latest.json names {latest.model_checksum} of run {latest.run_id}"
             )
 
     def _prepare_chain(
@@ -589,12 +799,24 @@ class Receiver:
         for version in sorted(v for v in deltas if v > after):
             self._prepare_path(bucket, deltas[version], pending, latest)
 
-    def _prepare_path(self, bucket: Bucket, path: str, pending: PendingUpdate, latest: Latest) -> None:
+    def _prepare_path(
+        self,
+        bucket: Bucket,
+        path: str,
+        pending: PendingUpdate,
+        latest: Latest,
+        kind: Literal["anchor", "delta"] | None = None,
+    ) -> None:
+        step = None if is_part(path) else parse_step_path(path)
+        if step is not None and self._is_stale(step[1], latest.run_id, latest.epoch):
+            return  # the snapshot holds this version or has passed it: nothing to read again
         with self.open_version(bucket, path, namespace=_namespace(latest)) as file:
+            if kind is not None:
+                UpdateInfo(bucket.url, path, kind).check_kind(file.header.kind, source=file.header.source)
             _check_against_latest(file.header, latest)
             self._prepare_file(file, pending)
 
-    def open_version(self, bucket: Bucket, path: str, namespace: str = "") -> Anchor | Delta:
+    def open_version(self, bucket: Bucket, path: str, namespace: str = "") -> Anchor | DeltaFile:
         """Fetch (through the download cache) and read one version of `bucket`: a single file,
         or a manifest and all its parts, checked by the format gate but not applied.
 
@@ -651,7 +873,8 @@ class Receiver:
         """Drop downloads no catch-up from the held version can use: anchors older than the
         held one, deltas more than one version old (a sibling worker may still be applying
         the previous one), and everything of a trajectory the bucket has left."""
-        if self.version is None or self.anchor_version is None or latest is None:
+        held = self._held
+        if held is None or latest is None:
             self.cache.release()
             return
 
@@ -660,107 +883,129 @@ class Receiver:
             if parsed is None:
                 return True
             kind, version = parsed
-            return version >= (self.anchor_version if kind == "anchor" else self.version - 1)
+            return version >= (held.id.anchor_version if kind == "anchor" else held.version - 1)
 
         self.cache.prune(bucket, keep, namespace=_namespace(latest))
 
     # -- one file: check, verify, apply to the snapshot ---------------------------------------
 
-    def _prepare_file(self, file: Anchor | Delta, pending: PendingUpdate) -> None:
+    def _prepare_file(self, file: Anchor | DeltaFile, pending: PendingUpdate) -> tuple[str, ...]:
+        """Check `file` against the snapshot and apply it; returns its source if it was
+        applied (empty for a version already held or passed)."""
+        applied = len(pending.applied)
         try:
-            if isinstance(file, Delta):
+            if isinstance(file, DeltaFile):
                 self._prepare_delta(file, pending)
             else:
                 self._prepare_anchor(file, pending)
         except DeltaSyncError as exc:
+            held = self._store.held
             logger.warning(
-                "delta-sync: refused %s: %s; still holding version %s", file.header.source, exc, self.version
+                "delta-sync: refused %s: %s; still holding version %s",
+                file.header.source,
+                exc,
+                None if held is None else held.version,
             )
             raise
+        return tuple(pending.applied[applied:])
 
     def _is_stale(self, version: int, run_id: str, epoch: str) -> bool:
-        """Whether a version is one the receiver already holds or has passed, on the same
+        """Whether a version is one the snapshot already holds or has passed, on the same
         trajectory (the same start of the run, or that start's history)."""
-        if self.version is None or run_id != self.run_id or self._anchor_needed or version > self.version:
+        held = self._store.held
+        if held is None or run_id != held.id.run_id or self._store.anchor_needed or version > held.version:
             return False
-        return epoch == self.epoch or version < self.version
+        return epoch == held.id.epoch or version < held.version
 
-    def _prepare_delta(self, delta: Delta, pending: PendingUpdate) -> None:
-        header = delta.header
+    def _prepare_delta(self, file: DeltaFile, pending: PendingUpdate) -> None:
+        header = file.header
         if self._is_stale(header.version, header.run_id, header.epoch):
             return
-        self._check_delta_base(header)
+        held = self._check_delta_base(header)
         self._check_held(header)
-        delta = delta.decoded(self.weights)
-        self._check_delta_tensors(delta)
-        old_values, new_checksums = self._verify_delta(delta)
-        self._apply_delta(delta, old_values, new_checksums, pending)
+        delta = file.decoded(self._store.weights)
+        self._check_delta_tensors(delta, held)
+        old_values, new_checksums = self._verify_delta(delta, held)
+        undo = DeltaUndo(
+            previous={name: (change.indices, old_values[name]) for name, change in delta.changes.items()},
+            before=held,
+        )
+        pending.record(header.source, delta.changes, header.changed_elements, undo)
+        after = HeldVersion(header.id, {**held.checksums, **new_checksums})
+        self._store.write_delta(header, delta.changes, undo, after)
 
-    def _check_delta_base(self, header: FileHeader) -> None:
-        """The delta continues the held weights: same run, trusted, made against the held version."""
+    def _check_delta_base(self, header: FileHeader) -> HeldVersion:
+        """The delta continues the held weights: same run, trusted, made against the held
+        version; returns that version."""
         source = header.source
-        if self.version is None:
+        held = self._store.held
+        if held is None:
             raise BaseVersionError(
-                f"{source}: {self._anchor_needed or 'holds no weights yet'}; load an anchor before a delta",
+                f"{source}: {self._store.anchor_needed or 'holds no weights yet'}; load an anchor before a delta",
                 held=None,
                 base=header.base_version,
             )
-        if header.run_id != self.run_id:
+        if header.run_id != held.id.run_id:
             raise ApplyError(
-                f"{source}: belongs to run {header.run_id}, but the held weights are from run {self.run_id}"
+                f"{source}: belongs to run {header.run_id}, but the held weights are from run {held.id.run_id}"
             )
-        if header.epoch != self.epoch:
+        if header.epoch != held.id.epoch:
             raise BaseVersionError(
                 f"{source}: written by another start of the run (epoch {header.epoch or '-'}, held: "
-                f"{self.epoch or '-'}); load an anchor of it first",
-                held=self.version,
+                f"{held.id.epoch or '-'}); load an anchor of it first",
+                held=held.version,
                 base=header.base_version,
             )
-        if self._anchor_needed:
+        if self._store.anchor_needed:
             raise BaseVersionError(
-                f"{source}: {self._anchor_needed}; load an anchor first", held=self.version, base=header.base_version
-            )
-        if header.base_version != self.version:
-            raise BaseVersionError(
-                f"{source}: applies on top of version {header.base_version}, but version {self.version} is held",
-                held=self.version,
+                f"{source}: {self._store.anchor_needed}; load an anchor first",
+                held=held.version,
                 base=header.base_version,
             )
+        if header.base_version != held.version:
+            raise BaseVersionError(
+                f"{source}: applies on top of version {header.base_version}, but version {held.version} is held",
+                held=held.version,
+                base=header.base_version,
+            )
+        return held
 
     def _check_held(self, header: FileHeader) -> None:
         """Every parameter the delta changes is held, with its shape."""
+        weights = self._store.weights
         for name in header.shapes:
-            held = self.weights.get(name)
-            if held is None:
+            tensor = weights.get(name)
+            if tensor is None:
                 raise ApplyError(f"{header.source}: unknown parameter {name!r}")
-            if tuple(held.shape) != header.shapes[name]:
+            if tuple(tensor.shape) != header.shapes[name]:
                 raise ApplyError(
                     f"{header.source}: parameter {name!r} has shape {list(header.shapes[name])}, "
-                    f"held shape is {list(held.shape)}"
+                    f"held shape is {list(tensor.shape)}"
                 )
 
-    def _check_delta_tensors(self, delta: Delta) -> None:
+    def _check_delta_tensors(self, delta: Delta, held: HeldVersion) -> None:
         """Every parameter the delta changes has the base checksum the trainer had."""
         header = delta.header
         for name in delta.changes:
-            if header.base_checksums[name] != self.checksums[name]:
-                self._distrust(_INTEGRITY_FAILED)
+            if header.base_checksums[name] != held.checksums[name]:
+                self._store.distrust(_INTEGRITY_FAILED)
                 raise IntegrityError(
                     f"{header.source}: the held weights of {name!r} differ from those the delta was made against"
                 )
 
-    def _verify_delta(self, delta: Delta) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    def _verify_delta(self, delta: Delta, held: HeldVersion) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
         """Checksums after the delta, in O(changed elements), against the trainer's.
 
         Returns:
             The values the delta overwrites and the new checksums, per parameter.
         """
         header = delta.header
+        weights = self._store.weights
 
         def verify(name: str) -> tuple[torch.Tensor, int]:
             change = delta.changes[name]
-            old_values = gather(self.weights[name], change.indices)
-            return old_values, updated_checksum(self.checksums[name], change.indices, old_values, change.values)
+            old_values = gather(weights[name], change.indices)
+            return old_values, updated_checksum(held.checksums[name], change.indices, old_values, change.values)
 
         names = sorted(delta.changes)
         verified = dict(zip(names, parallel_map(verify, names)))
@@ -769,45 +1014,26 @@ class Receiver:
         for name in names:
             if new_checksums[name] != header.checksums[name]:
                 # The file passed its payload digest, so the held weights are what differ.
-                self._distrust(_INTEGRITY_FAILED)
+                self._store.distrust(_INTEGRITY_FAILED)
                 raise IntegrityError(f"{header.source}: applying {name!r} would not reproduce the trainer's weights")
-        if model_checksum({**self.checksums, **new_checksums}) != header.model_checksum:
-            self._distrust(_INTEGRITY_FAILED)
+        if model_checksum({**held.checksums, **new_checksums}) != header.model_checksum:
+            self._store.distrust(_INTEGRITY_FAILED)
             raise IntegrityError(f"{header.source}: the resulting model checksum differs from the trainer's")
         return old_values, new_checksums
 
-    def _apply_delta(
-        self,
-        delta: Delta,
-        old_values: dict[str, torch.Tensor],
-        new_checksums: dict[str, int],
-        pending: PendingUpdate,
-    ) -> None:
-        header = delta.header
-        undo = _DeltaUndo(
-            previous={name: (change.indices, old_values[name]) for name, change in delta.changes.items()},
-            checksums={name: self.checksums[name] for name in delta.changes},
-            version=self.version,
-            anchor_version=self.anchor_version,
-        )
-        pending._record(header.source, delta.changes, header.changed_elements, undo)
-        self._before_write(header, undo.previous)
-        for name, change in delta.changes.items():
-            scatter_(self.weights[name], change.indices, change.values)
-        self.checksums.update(new_checksums)
-        self.version, self.anchor_version = header.version, header.anchor_version
-        self._after_write(header, delta.changes)
-
     def _prepare_anchor(self, anchor: Anchor, pending: PendingUpdate) -> None:
-        if self._is_stale(anchor.header.version, anchor.header.run_id, anchor.header.epoch):
+        header = anchor.header
+        if self._is_stale(header.version, header.run_id, header.epoch):
             return
-        self._check_anchor(anchor.header)
+        self._check_anchor(header)
         anchor.verify()
-        self._apply_anchor(anchor, pending)
+        pending.record(header.source, header.names, header.changed_elements, None)
+        self._store.write_anchor(header, anchor, HeldVersion(header.id, dict(header.checksums)))
 
     def _check_anchor(self, header: FileHeader) -> None:
         """The anchor holds exactly the expected parameters, with the expected shapes."""
-        held = {n: tuple(t.shape) for n, t in self.weights.items()} if self.version is not None else {}
+        weights = self._store.weights
+        held = {n: tuple(t.shape) for n, t in weights.items()} if self._store.held is not None else {}
         expected = self.expected_shapes or held or None
         if expected is None:
             return
@@ -823,95 +1049,87 @@ class Receiver:
                     f"{header.source}: parameter {name!r} has shape {list(shape)}, expected {list(expected[name])}"
                 )
 
-    def _apply_anchor(self, anchor: Anchor, pending: PendingUpdate) -> None:
-        header = anchor.header
-        pending._record(header.source, header.names, header.changed_elements, None)
-        self._before_write(header, None)
-        if set(self.weights) != set(header.shapes) or any(
-            tuple(t.shape) != header.shapes[n] for n, t in self.weights.items()
-        ):
-            self.weights = {}  # another parameter set (the first anchor, or after an anchor of another model)
-        # Copy into the held tensors so memory stays at one snapshot.
-        for name, tensor in anchor.items():
-            held = self.weights.get(name)
-            if held is None:
-                self.weights[name] = tensor.clone() if not tensor.is_contiguous() else tensor
-            else:
-                held.copy_(tensor)
-        self.checksums = dict(header.checksums)
-        self.version, self.anchor_version, self.run_id = header.version, header.version, header.run_id
-        self.epoch = header.epoch
-        self._anchor_needed = None
-        self._after_write(header, header.shapes)
+    # -- loading and undoing -----------------------------------------------------------------
 
-    def _before_write(
-        self, header: FileHeader, previous: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None
+    def _everything(self) -> set[str]:
+        return set(self.expected_shapes) if self.expected_shapes else set(self._store.weights)
+
+    def _load(
+        self,
+        load: LoadWeights | None,
+        held: HeldVersion | None,
+        names: list[str],
+        touched: list[bool],
+        *,
+        base: HeldVersion | None = None,
     ) -> None:
-        """Called before a checked file changes the snapshot: `previous` holds the values a
-        delta overwrites (None for an anchor). A shared snapshot makes the write crash-safe here."""
+        """Hand the tensors `names` at `held` (with their companions) to `load`; `touched`
+        gains an entry once `load` is called. A [`PatchingWeightLoader`] also gets the
+        positions that changed since `base` (what the model holds), where the store can tell."""
+        if load is None or not names or held is None:
+            return
+        wanted = set(names)
+        if self.load_together is not None:
+            wanted |= self.load_together(wanted)
+        patching = isinstance(load, PatchingWeightLoader)
+        positions = self._store.changed_positions(base, held, names) if patching and not self._reload_all else None
+        with self._store.tensors(held, wanted) as tensors:
+            touched.append(True)
+            if patching:
+                known = positions or {}
+                load.load_patches([WeightPatch(name, tensors[name], known.get(name)) for name in sorted(tensors)])
+            else:
+                load(sorted(tensors.items()))
+        if wanted >= self._everything():
+            self._reload_all = False
 
-    def _after_write(self, header: FileHeader, names: Iterable[str]) -> None:
-        """Called once the snapshot and the receiver's fields hold `header`'s version."""
-
-    # -- loading and undoing (for PendingUpdate) ----------------------------------------------
-
-    def _load(self, load: LoadWeights | None, names: list[str]) -> None:
-        if load is not None and names:
-            load(sorted(self._tensors_for_load(self._with_companions(names)).items()))
-
-    def _with_companions(self, names: Iterable[str]) -> set[str]:
-        names = set(names)
-        return names | self.load_together(names) if self.load_together is not None else names
-
-    def _tensors_for_load(self, names: set[str]) -> dict[str, torch.Tensor]:
-        """The held version's tensors `names`."""
-        return {name: self.weights[name] for name in names}
-
-    def _abort_pending(self, pending: PendingUpdate) -> None:
-        """Undo what `pending` did to the snapshot; the model was not touched."""
-        if pending._anchored:
-            self._forget("an update holding an anchor was aborted before it was loaded")
+    def _revert(self, pending: PendingUpdate) -> None:
+        """Go back to the version the model serves; the model was not touched. A private
+        snapshot undoes the deltas (an anchor it cannot undo: it then holds nothing)."""
+        if self._store.shared:
+            self._held = pending.served  # the node keeps the versions it checked
+        elif pending.anchored:
+            self._store.forget("an update holding an anchor was aborted before it was loaded")
+            self._held = None
         else:
-            pending._undo_deltas()
+            for undo in reversed(pending.undo):
+                self._store.restore(undo)
+            pending.undo.clear()
+            self._held = pending.served
 
-    def _roll_back_pending(self, pending: PendingUpdate, load: LoadWeights | None, names: list[str]) -> None:
-        """Loading `pending` failed: go back to the version served and reload it."""
-        if pending._anchored:
+    def _roll_back(self, pending: PendingUpdate, load: LoadWeights | None, names: list[str], touched: bool) -> None:
+        """Loading `pending` failed: go back to the version served and load it again."""
+        if pending.anchored and not self._store.shared:
             # The snapshot is right but the model may be half loaded: demand a fresh anchor.
             self._model_diverged("loading an anchor into the model failed")
             return
-        pending._undo_deltas()
-        self._reload(load, names)
-
-    def _model_diverged(self, reason: str) -> None:
-        """The model may hold other weights than any version: the next update must reload all."""
-        self._distrust(reason)
-
-    def _reload(self, load: LoadWeights | None, names: list[str]) -> None:
-        """Load the restored tensors after a failed load."""
+        self._revert(pending)
+        if not touched:  # the version could not even be read: the model is as it was
+            return
         try:
-            self._load(load, names)
+            self._load(load, self._held, names, [])
         except BaseException as exc:  # the model is now in an unknown state
             self._model_diverged("restoring the model after a failed load failed")
             logger.error("delta-sync: restoring the model after a failed load also failed: %s", exc)
 
-    def _restore(self, undo: _DeltaUndo) -> None:  # deltas never change run or epoch
-        for name, (indices, values) in undo.previous.items():
-            scatter_(self.weights[name], indices, values)
-        self.checksums.update(undo.checksums)
-        self.version, self.anchor_version = undo.version, undo.anchor_version
-
-    def _forget(self, reason: str) -> None:
-        """Hold no version: the snapshot no longer matches the model nor any version."""
-        self.checksums = {}
-        self.version = self.anchor_version = self.run_id = self.epoch = None
-        self._distrust(reason)
-
-    def _distrust(self, reason: str) -> None:
-        self._anchor_needed = reason
+    def _model_diverged(self, reason: str) -> None:
+        """The model may hold other weights than any version: a shared snapshot reloads
+        every tensor next time; a private one demands an anchor."""
+        if self._store.shared:
+            logger.warning("delta-sync: %s; the next update reloads every tensor", reason)
+            self._reload_all = True
+        else:
+            self._store.distrust(reason)
 
 
 _INTEGRITY_FAILED = "the held weights failed an integrity check"
+
+
+def _reached(held: HeldVersion | None, latest: Latest, *, weights: bool) -> bool:
+    """Whether `held` is `latest.json`'s version (with `weights`: of its run, with its weights)."""
+    if held is None or held.version != latest.version:
+        return False
+    return not weights or (held.id.run_id, held.model_checksum) == (latest.run_id, latest.model_checksum)
 
 
 def _namespace(latest: Latest) -> str:
@@ -946,11 +1164,30 @@ def _warn_unsigned_once() -> None:
         )
 
 
+def _shown(url: str) -> str:
+    """A bucket URL as a refusal names it. vLLM's HTTP error answers replace anything that
+    looks like a local path with `<path>`, so a local bucket also gets its last two
+    components, written so that they survive that (no leading slash): the trainer can still
+    tell which of its directories was refused, and what the allow list holds instead."""
+    if not url.startswith("file://"):
+        return url
+    tail = "/".join(url.rstrip("/").split("/")[-2:])
+    return f"{url} (ending {tail!r})"
+
+
 def _normalise_url(url: str) -> str:
+    """The URL compared against the allow list: percent-escapes decoded (a store may decode
+    them itself), no dot segments, no trailing slash."""
     url = str(url).rstrip("/")
     if "://" not in url:
         return open_bucket(url).url.rstrip("/")
-    return url
+    scheme, _, rest = url.partition("://")
+    segments = unquote(rest).split("/")
+    if any(segment in (".", "..") for segment in segments):
+        raise UntrustedBucketError(
+            f"bucket {url} refused: its path has a '.' or '..' segment (decoded: {unquote(rest)})"
+        )
+    return f"{scheme}://{'/'.join(segments)}"
 
 
 def expected_shapes_of(module: nn.Module) -> dict[str, tuple[int, ...]]:

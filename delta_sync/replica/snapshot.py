@@ -40,7 +40,7 @@ import logging
 import math
 import os
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -49,6 +49,7 @@ from safetensors.torch import load_file, save_file
 from ..errors import IntegrityError, SnapshotMovedError
 from ..integrity import model_checksum, tensor_checksum
 from ..sparse import scatter_
+from ..version import HeldVersion, VersionId
 
 __all__ = ["HistoryEntry", "NodeSnapshot", "SnapshotState", "mapped_memory", "snapshot_directory"]
 
@@ -71,25 +72,22 @@ def snapshot_directory(root: str | os.PathLike, bucket_url: str, shapes: Mapping
 
 @dataclass(frozen=True)
 class HistoryEntry:
-    """One version the snapshot held recently.
+    """One version a snapshot held recently: what it changed, so that a model holding an
+    older version loads only that.
 
     Args:
-        version: The version.
+        held: The version and every parameter's checksum at it.
         kind: `"anchor"` (every tensor written, nothing older can be rebuilt) or `"delta"`.
-        anchor_version: The anchor it descends from.
         names: Parameters this version changed.
-        checksums: Every parameter's checksum at this version.
     """
 
-    version: int
+    held: HeldVersion
     kind: str
-    anchor_version: int
     names: tuple[str, ...]
-    checksums: dict[str, int]
 
     @property
-    def model_checksum(self) -> str:
-        return model_checksum(self.checksums)
+    def version(self) -> int:
+        return self.held.version
 
 
 @dataclass
@@ -97,55 +95,82 @@ class SnapshotState:
     """What `state.json` says of the snapshot's data.
 
     Args:
-        version: The version held, or None (nothing trustworthy yet).
-        anchor_version: The anchor it descends from.
-        run_id: Its run.
-        epoch: Its start of the run.
-        checksums: Per-parameter checksums of the data.
+        held: The version held with its per-parameter checksums, or None (nothing
+            trustworthy yet).
         anchor_needed: Why the next update must load an anchor, or None.
-        history: The last versions held, oldest first, ending with `version`.
+        history: The last versions held, oldest first, ending with `held` (all of the same
+            run and start: an anchor clears it).
         writing: `{"version", "kind"}` while a process changes the data, else None.
         boot_id: The machine boot that wrote the state.
     """
 
-    version: int | None = None
-    anchor_version: int | None = None
-    run_id: str | None = None
-    epoch: str | None = None
-    checksums: dict[str, int] = field(default_factory=dict)
+    held: HeldVersion | None = None
     anchor_needed: str | None = None
     history: list[HistoryEntry] = field(default_factory=list)
     writing: dict | None = None
     boot_id: str = ""
 
+    @property
+    def version(self) -> int | None:
+        return None if self.held is None else self.held.version
+
     def entry(self, version: int | None) -> HistoryEntry | None:
         return next((entry for entry in self.history if entry.version == version), None)
 
     def to_json(self) -> str:
-        data = asdict(self)
-        data["format"] = _STATE_FORMAT
-        data["checksums"] = {name: str(value) for name, value in self.checksums.items()}
-        for entry in data["history"]:
-            entry["checksums"] = {name: str(value) for name, value in entry["checksums"].items()}
+        held = self.held
+        data = {
+            "format": _STATE_FORMAT,
+            "version": None if held is None else held.version,
+            "anchor_version": None if held is None else held.id.anchor_version,
+            "run_id": None if held is None else held.id.run_id,
+            "epoch": None if held is None else held.id.epoch,
+            "checksums": {} if held is None else _dump(held.checksums),
+            "anchor_needed": self.anchor_needed,
+            "history": [
+                {
+                    "version": entry.version,
+                    "kind": entry.kind,
+                    "anchor_version": entry.held.id.anchor_version,
+                    "names": list(entry.names),
+                    "checksums": _dump(entry.held.checksums),
+                }
+                for entry in self.history
+            ],
+            "writing": self.writing,
+            "boot_id": self.boot_id,
+        }
         return json.dumps(data)
 
     @classmethod
     def from_json(cls, text: str) -> SnapshotState:
         data = json.loads(text)
-        if data.pop("format", None) != _STATE_FORMAT:
+        if data.get("format") != _STATE_FORMAT:
             raise ValueError("unknown snapshot state format")
-        data["checksums"] = {name: int(value) for name, value in data["checksums"].items()}
-        data["history"] = [
+        held = None
+        if data["version"] is not None:
+            identity = VersionId(data["version"], data["anchor_version"], data["run_id"], data["epoch"] or "")
+            held = HeldVersion(identity, _load(data["checksums"]))
+        history = [
             HistoryEntry(
-                version=entry["version"],
-                kind=entry["kind"],
-                anchor_version=entry["anchor_version"],
-                names=tuple(entry["names"]),
-                checksums={name: int(value) for name, value in entry["checksums"].items()},
+                HeldVersion(
+                    VersionId(entry["version"], entry["anchor_version"], held.id.run_id, held.id.epoch),
+                    _load(entry["checksums"]),
+                ),
+                entry["kind"],
+                tuple(entry["names"]),
             )
-            for entry in data["history"]
+            for entry in (data["history"] if held is not None else [])
         ]
-        return cls(**data)
+        return cls(held, data["anchor_needed"], history, data["writing"], data["boot_id"])
+
+
+def _dump(checksums: Mapping[str, int]) -> dict[str, str]:
+    return {name: str(value) for name, value in checksums.items()}
+
+
+def _load(checksums: Mapping[str, str]) -> dict[str, int]:
+    return {name: int(value) for name, value in checksums.items()}
 
 
 class NodeSnapshot:
@@ -250,34 +275,32 @@ class NodeSnapshot:
         """Announce an anchor: every tensor is about to be overwritten, so no version held
         before it can be rebuilt any more."""
         state = self._writer_state()
-        for entry in state.history:
-            self._undo_path(entry.version).unlink(missing_ok=True)
-        state.history = []
+        dropped, state.history = state.history, []
+        # Marked first: a process killed while the records go leaves a state that says so.
         self._mark_writing(version, "anchor")
+        for entry in dropped:
+            self._undo_path(entry.version).unlink(missing_ok=True)
 
-    def finish(
-        self,
-        *,
-        version: int,
-        kind: str,
-        anchor_version: int,
-        run_id: str,
-        epoch: str | None,
-        checksums: Mapping[str, int],
-        names: Iterable[str],
-    ) -> None:
-        """Record the version the data now holds and forget the oldest beyond `history`."""
+    def finish(self, held: HeldVersion, *, kind: str, names: Iterable[str]) -> None:
+        """Record the version the data now holds and forget the oldest beyond `history`.
+
+        Args:
+            held: The version written, with every parameter's checksum.
+            kind: `"anchor"` or `"delta"`.
+            names: Parameters it changed.
+        """
         state = self._writer_state()
         if kind == "anchor":
             state.history = []
-        state.history.append(HistoryEntry(version, kind, anchor_version, tuple(sorted(names)), dict(checksums)))
-        for entry in state.history[: -self.history]:
-            self._undo_path(entry.version).unlink(missing_ok=True)
-        state.history = state.history[-self.history :]
-        state.version, state.anchor_version, state.run_id, state.epoch = version, anchor_version, run_id, epoch
-        state.checksums = dict(checksums)
+        held = HeldVersion(held.id, dict(held.checksums))
+        state.history.append(HistoryEntry(held, kind, tuple(sorted(names))))
+        dropped, state.history = state.history[: -self.history], state.history[-self.history :]
+        state.held = held
         state.writing = None
+        # The state stops naming the oldest versions before their records go.
         self._write_state(state)
+        for entry in dropped:
+            self._undo_path(entry.version).unlink(missing_ok=True)
 
     def save(self, *, anchor_needed: str | None) -> None:
         """Record why the next update must load an anchor (None: it need not)."""
@@ -307,12 +330,15 @@ class NodeSnapshot:
         """
         names = sorted(names)
         entry = state.entry(version)
-        if entry is None or entry.model_checksum != model_checksum(checksums):
+        if entry is None or entry.held.model_checksum != model_checksum(checksums):
             raise self.moved_past(state, version)
         if version == state.version:
             return {name: self._views[name] for name in names}
         newer = [e.version for e in state.history if e.version > version]
-        records = [load_file(str(self._undo_path(v))) for v in sorted(newer, reverse=True)]
+        try:
+            records = [load_file(str(self._undo_path(v))) for v in sorted(newer, reverse=True)]
+        except FileNotFoundError:  # a record another process removed: the version is out of reach
+            raise self.moved_past(state, version) from None
         rebuilt = {}
         for name in names:
             tensor = self._views[name].clone()
@@ -323,6 +349,21 @@ class NodeSnapshot:
                 raise IntegrityError(f"{self.directory}: {name!r} rebuilt at version {version} fails its checksum")
             rebuilt[name] = tensor
         return rebuilt
+
+    def positions(self, version: int) -> dict[str, torch.Tensor]:
+        """The flat positions the delta producing `version` changed, per parameter, from its
+        undo record (under [`shared`] or [`exclusive`]).
+
+        Raises:
+            SnapshotMovedError: The record is gone (the version left the history).
+        """
+        try:
+            record = load_file(str(self._undo_path(version)))
+        except FileNotFoundError:
+            raise SnapshotMovedError(
+                f"{self.directory}: no undo record of version {version}", held=None, wanted=version
+            ) from None
+        return {key.removesuffix(":indices"): value for key, value in record.items() if key.endswith(":indices")}
 
     def moved_past(self, state: SnapshotState, version: int) -> SnapshotMovedError:
         """The error for a version the snapshot can no longer rebuild."""

@@ -10,7 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import BucketFileNotFoundError, DeltaSyncError
-from ..format import Anchor, Delta
+from ..format import Anchor, DeltaFile
 from ..layout import LATEST, Latest, version_files
 from ..signing import VerifyKey
 from ..storage import Bucket, open_bucket
@@ -68,8 +68,9 @@ def verify_bucket(
     goes on: the deltas after it fail against the version held, and the next anchor
     restarts the chain. Nothing a bucket holds stops the verification early, except a
     listing that fails. Files of versions past `latest.json` (stored, not yet published,
-    e.g. by a trainer that crashed in between) are listed and ignored; a bucket without
-    `latest.json` has published nothing yet, which is not a failure.
+    e.g. by a trainer that crashed in between) are listed and ignored. A check never
+    passes on nothing: a path without `latest.json` (a typo, an empty directory, a run
+    that has published nothing yet) fails.
 
     Args:
         bucket: The bucket or its URL.
@@ -92,8 +93,12 @@ def verify_bucket(
         latest = Latest.from_json(opened.read_bytes(LATEST), source=f"{opened.url}/{LATEST}")
         report.latest_version = latest.version
     except BucketFileNotFoundError:
-        unpublished = len(anchors) + len(deltas)
-        report.add(LATEST, True, f"absent: nothing published yet ({unpublished} version file(s) stored, ignored)")
+        stored = len(anchors) + len(deltas)
+        if stored:
+            problem = f"absent: no version is published yet ({stored} version file(s) stored, none published)"
+        else:
+            problem = f"absent, and no anchor or delta either: {opened.url} holds no bucket"
+        report.add(LATEST, False, problem)
         return report
     except Exception as exc:
         report.add(LATEST, False, _problem(exc))
@@ -122,13 +127,14 @@ def verify_bucket(
         report.replayed_version = receiver.version
         if latest is not None:
             ok = receiver.version == latest.version and receiver.model_checksum == latest.model_checksum
+            if receiver.version is None:
+                reached = "no version (no anchor could be loaded)"
+            else:
+                reached = f"version {receiver.version} with checksum {receiver.model_checksum}"
             report.add(
                 LATEST,
                 ok,
-                f"names version {latest.version}"
-                + (
-                    "" if ok else f", but the replay reached {receiver.version} with checksum {receiver.model_checksum}"
-                ),
+                f"names version {latest.version}" + ("" if ok else f", but the replay reached {reached}"),
             )
     return report
 
@@ -156,7 +162,7 @@ def _compare_anchor(report: VerifyReport, receiver: Receiver, bucket: Bucket, ve
 
 
 def _compare_open_anchor(
-    report: VerifyReport, receiver: Receiver, bucket: Bucket, version: int, path: str, anchor: Anchor | Delta
+    report: VerifyReport, receiver: Receiver, bucket: Bucket, version: int, path: str, anchor: Anchor | DeltaFile
 ) -> None:
     with anchor:
         if receiver.version != version or receiver.run_id != anchor.header.run_id:

@@ -3,8 +3,8 @@
 | URL | backend | needs |
 | --- | --- | --- |
 | `./dir`, `/abs/dir`, `file:///abs/dir` | [`LocalBucket`] (the embedded default) | nothing |
-| `hf://buckets/<namespace>/<name>[/prefix]` | `delta_sync.storage.hf.HFBucket` | `pip install 'delta-sync[hf]'` |
-| `s3://<bucket>[/prefix]` | `delta_sync.storage.s3.S3Bucket` | `pip install 'delta-sync[s3]'` |
+| `hf://buckets/<namespace>/<name>[/prefix]` | `delta_sync.storage.hf.HFBucket` | `pip install 'delta-weight-sync[hf]'` |
+| `s3://<bucket>[/prefix]` | `delta_sync.storage.s3.S3Bucket` | `pip install 'delta-weight-sync[s3]'` |
 
 The remote backends import their client library only when a URL of theirs is opened;
 they share [`RemoteBucket`] (keys under a prefix, retried operations, downloads that

@@ -95,7 +95,9 @@ class HFBucket(RemoteBucket):
         try:
             from huggingface_hub import HfApi, constants
         except ImportError as exc:
-            raise ImportError("hf:// buckets need huggingface_hub and hf_xet: pip install 'delta-sync[hf]'") from exc
+            raise ImportError(
+                "hf:// buckets need huggingface_hub and hf_xet: pip install 'delta-weight-sync[hf]'"
+            ) from exc
         self.bucket_id, prefix = parse_hf_url(url)
         super().__init__(SCHEME + self.bucket_id, prefix, retry)
         self.endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
@@ -185,22 +187,17 @@ class HFBucket(RemoteBucket):
     def _is_transient(exc: BaseException) -> bool:
         from huggingface_hub.errors import HfHubHTTPError
 
-        if isinstance(exc, HfHubHTTPError):
-            return _status(exc) in _TRANSIENT_STATUS
+        if isinstance(exc, (HfHubHTTPError, ConnectionError)) and (status := _status(exc)) is not None:
+            return status in _TRANSIENT_STATUS
         try:
             import httpx2 as httpx
         except ImportError:  # older huggingface_hub releases use httpx
             import httpx
-        if isinstance(exc, httpx.TransportError):
-            return True
-        if isinstance(exc, (ConnectionError, TimeoutError)):
-            # hf_xet reports HTTP failures of its token and transfer calls as ConnectionError
-            # with the status in the message; client errors other than 408/429 are permanent.
-            text = str(exc)
-            return not any(f"({code}" in text or f" {code} " in text for code in (400, 401, 403, 404, 409, 422))
-        return False
+        # A request that got no answer (refused, reset, timed out), from either client.
+        return isinstance(exc, (httpx.TransportError, ConnectionError, TimeoutError))
 
     def _translate(self, exc: Exception, what: str, path: str | None) -> BucketError:
+        from hf_xet import XetAuthenticationError, XetObjectNotFoundError
         from huggingface_hub.errors import (
             BucketBatchError,
             EntryNotFoundError,
@@ -211,22 +208,16 @@ class HFBucket(RemoteBucket):
             BucketNotFoundError as HubBucketNotFound,
         )
 
-        text = str(exc)
         status = _status(exc)
-        if status is None and (match := re.search(r"\((\d{3}) [A-Za-z ]+\)", text)):
-            status = int(match.group(1))  # hf_xet puts the HTTP status in the message
-        token_route_missing = status == 404 and "xet-" in text and "-token" in text
-        if isinstance(exc, (HubBucketNotFound, RepositoryNotFoundError)) or token_route_missing:
+        # hf_xet's own Hub request is the bucket's token route: a 404 there is a missing bucket.
+        xet_not_found = isinstance(exc, ConnectionError) and status == 404
+        if isinstance(exc, (HubBucketNotFound, RepositoryNotFoundError)) or xet_not_found:
             return BucketNotFoundError(
                 f"{what}: bucket {self.bucket_id} not found at {self.endpoint}, or not visible with this token"
             )
-        if isinstance(exc, EntryNotFoundError) or type(exc).__name__ == "XetObjectNotFoundError":
+        if isinstance(exc, (EntryNotFoundError, XetObjectNotFoundError)):
             return self._not_found(path)
-        if (
-            status in (401, 403)
-            or type(exc).__name__ == "XetAuthenticationError"
-            or any(marker in text for marker in ("(401", "(403", "401 Unauthorized", "403 Forbidden"))
-        ):
+        if status in (401, 403) or isinstance(exc, XetAuthenticationError):
             return BucketPermissionError(
                 f"{what}: permission denied (HTTP {status}); check the token (HF_TOKEN, `hf auth login`) "
                 f"has {'write' if 'upload' in what or 'delete' in what or 'create' in what else 'read'} access "
@@ -250,9 +241,24 @@ def _xet_hash(content: bytes | Path) -> str:
         return hf_xet.hash_files([tmp.name])[0].hash
 
 
+#: How hf_xet words the HTTP status of a failed request (that of its HTTP client, reqwest).
+_XET_STATUS = re.compile(r"HTTP status (?:client|server) error \((\d{3})\b")
+
+
 def _status(exc: BaseException) -> int | None:
-    response = getattr(exc, "response", None)
-    return getattr(response, "status_code", None)
+    """The HTTP status of a failed Hub request, if it got an answer.
+
+    huggingface_hub's errors carry the response. hf_xet raises no error of its own for a
+    failed HTTP request of its own (it fetches the bucket's Xet token from the Hub): a
+    `ConnectionError` whose message alone holds the status, read here and only here.
+    """
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if isinstance(exc, HfHubHTTPError):
+        return exc.response.status_code if exc.response is not None else None
+    if isinstance(exc, ConnectionError) and (match := _XET_STATUS.search(str(exc))):
+        return int(match.group(1))
+    return None
 
 
 _quiet_lock = threading.Lock()

@@ -118,7 +118,7 @@ class S3Bucket(RemoteBucket):
             import boto3
             from botocore.config import Config
         except ImportError as exc:
-            raise ImportError("s3:// buckets need boto3: pip install 'delta-sync[s3]'") from exc
+            raise ImportError("s3:// buckets need boto3: pip install 'delta-weight-sync[s3]'") from exc
         if multipart_bytes < 5 << 20:
             raise ValueError(f"multipart_bytes must be at least 5 MiB (the S3 minimum part), got {multipart_bytes}")
         self.name, prefix = parse_s3_url(url)

@@ -9,10 +9,12 @@ from typing import TYPE_CHECKING
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from ..changes import Encoding
+from ..control.client import PauseMode, ReplicaOptions
 from ..errors import UnsupportedLayoutError
 from . import trl_vllm
 from .detector import BF16ChangeDetector
-from .publisher import Publisher, PublishReport
+from .publisher import Publisher, PublisherOptions, PublishReport
 from .replicas import ReplicaSet
 from .sharding import verify_across_ranks
 
@@ -23,10 +25,24 @@ __all__ = ["DeltaSyncCallback", "DeltaSyncConfig"]
 
 logger = logging.getLogger("delta_sync")
 
+#: The `ReplicaOptions` field each `vllm_*` field of `DeltaSyncConfig` sets.
+_REPLICA_FIELDS = {
+    "timeout": "vllm_request_timeout",
+    "retry_seconds": "vllm_retry_seconds",
+    "pause_mode": "vllm_pause_mode",
+    "headers": "vllm_headers",
+    "token": "vllm_token",
+}
+
 
 @dataclass
 class DeltaSyncConfig:
     """Configuration of [`DeltaSyncCallback`].
+
+    The publisher's options and the replicas' are checked when the config is made, as a
+    [`PublisherOptions`] ([`publisher_options`]) and a `ReplicaOptions`
+    ([`replica_options`]: the `vllm_*` fields, without their prefix) that the callback
+    hands on as they are.
 
     Args:
         bucket: Where to publish: a local directory, or a `file://`, `hf://buckets/...` or
@@ -59,12 +75,13 @@ class DeltaSyncConfig:
         vllm_retry_seconds: How long transient request failures (connection errors, 429,
             502-504) are retried, with exponential backoff.
         vllm_pause_mode: How requests in flight are treated while tensors load: `"keep"`,
-            `"wait"`, `"abort"` (vLLM's `/pause` modes) or None to not pause.
-        encoding: How deltas store their changes: `"raw"` (the published TRL format, 6 bytes
-            per changed element) or `"compact"` (entropy-coded against the weights replicas
-            hold, typically under 1 byte per changed element, for a few nanoseconds of CPU
-            per model element on each side: worth it on links below a few hundred Mbit/s
-            or where bytes are billed; sharded trainers code each rank's block).
+            `"wait"`, `"abort"` (vLLM's `/pause` modes, a `PauseMode`) or None to not pause.
+        encoding: How deltas store their changes (an `Encoding`, or its value): `"raw"`
+            (the published TRL format, 6 bytes per changed element) or `"compact"`
+            (entropy-coded against the weights replicas hold, typically under 1 byte per
+            changed element, for a few nanoseconds of CPU per model element on each side:
+            worth it on links below a few hundred Mbit/s or where bytes are billed;
+            sharded trainers code each rank's block).
         signing_key: Path (or PEM text) of the Ed25519 key that signs every version
             (`delta-sync keygen`); default: `DELTA_SYNC_SIGNING_KEY`, else unsigned.
         vllm_token: The replicas' weight-route token (`vllm_ext.auth` middleware), sent as
@@ -73,25 +90,26 @@ class DeltaSyncConfig:
             `{"Authorization": "Bearer hf_..."}` for a private Space.
     """
 
+    # The publisher's and the replicas' defaults are theirs (`PublisherOptions`, `ReplicaOptions`).
     bucket: str = "./delta-sync"
     sync_every: int = 1
-    anchor_every: int = 10
-    anchor_bytes_ratio: float | None = 1.0
-    keep_anchors: int = 2
-    background: bool = True
-    max_pending: int = 2
-    run_id: str | None = None
+    anchor_every: int = PublisherOptions.anchor_every
+    anchor_bytes_ratio: float | None = PublisherOptions.anchor_bytes_ratio
+    keep_anchors: int = PublisherOptions.keep_anchors
+    background: bool = PublisherOptions.background
+    max_pending: int = PublisherOptions.max_pending
+    run_id: str | None = PublisherOptions.run_id
     snapshot_device: str | None = None
-    overwrite: bool = False
+    overwrite: bool = PublisherOptions.overwrite
     vllm_url: str | list[str] | None = None
     max_staleness: int = 0
     sync_timeout: float = 600.0
-    vllm_request_timeout: float = 600.0
-    vllm_retry_seconds: float = 30.0
-    vllm_pause_mode: str | None = "keep"
+    vllm_request_timeout: float = ReplicaOptions.timeout
+    vllm_retry_seconds: float = ReplicaOptions.retry_seconds
+    vllm_pause_mode: PauseMode | None = ReplicaOptions.pause_mode
     vllm_headers: dict[str, str] | None = None
-    vllm_token: str | None = None
-    encoding: str = "raw"
+    vllm_token: str | None = ReplicaOptions.token
+    encoding: Encoding = PublisherOptions.encoding
     signing_key: str | None = None
 
     def __post_init__(self) -> None:
@@ -99,6 +117,19 @@ class DeltaSyncConfig:
             raise ValueError(f"sync_every must be >= 1, got {self.sync_every}")
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        # Checked once, here; option strings become their enums.
+        self.encoding = self.publisher_options.encoding
+        self.vllm_pause_mode = self.replica_options.pause_mode
+
+    @property
+    def publisher_options(self) -> PublisherOptions:
+        """The [`Publisher`]'s share of this config."""
+        return PublisherOptions(**{field.name: getattr(self, field.name) for field in fields(PublisherOptions)})
+
+    @property
+    def replica_options(self) -> ReplicaOptions:
+        """The `vllm_*` fields, as each replica's client takes them."""
+        return ReplicaOptions(**{option: getattr(self, field) for option, field in _REPLICA_FIELDS.items()})
 
     @property
     def vllm_urls(self) -> list[str]:
@@ -203,18 +234,7 @@ class DeltaSyncCallback(TrainerCallback):
             self.detector = None
             return
         self.publisher = Publisher(
-            config.bucket,
-            self.detector,
-            anchor_every=config.anchor_every,
-            anchor_bytes_ratio=config.anchor_bytes_ratio,
-            keep_anchors=config.keep_anchors,
-            background=config.background,
-            max_pending=config.max_pending,
-            run_id=config.run_id,
-            overwrite=config.overwrite,
-            on_published=[self._announce],
-            signing_key=config.signing_key,
-            encoding=config.encoding,
+            config.bucket, self.detector, config.publisher_options, on_published=[self._announce]
         )
         if not state.is_world_process_zero:
             return  # rank 0 alone drives the replicas
@@ -222,15 +242,7 @@ class DeltaSyncCallback(TrainerCallback):
         if not urls and self._vllm_generation is not None:
             urls = [self._vllm_generation.vllm_client.base_url]
         if urls:
-            self.replicas = ReplicaSet(
-                urls,
-                self.publisher.bucket.url,
-                timeout=config.vllm_request_timeout,
-                retry_seconds=config.vllm_retry_seconds,
-                pause_mode=config.vllm_pause_mode,
-                headers=config.vllm_headers,
-                token=config.vllm_token,
-            )
+            self.replicas = ReplicaSet(urls, self.publisher.bucket.url, config.replica_options)
         logger.info(
             "delta-sync: publishing to %s every %d step(s), anchor every %d version(s), run %s",
             self.publisher.bucket.url,

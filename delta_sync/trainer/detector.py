@@ -13,6 +13,7 @@ from torch import nn
 from ..format import SparseChange, index_dtype
 from ..parallel import parallel_map
 from ..sparse import changed_positions, extract_changes_, gather, scatter_
+from ..version import sparsity
 from .sharding import ModelLayout, describe_model, local_tensor
 
 __all__ = ["BF16ChangeDetector", "ChangeSet", "canonical_name", "inner_optimizer"]
@@ -88,7 +89,7 @@ class ChangeSet:
     @property
     def sparsity(self) -> float:
         """Fraction of elements unchanged."""
-        return 1.0 - self.changed_elements / self.total_elements if self.total_elements else 1.0
+        return sparsity(self.changed_elements, self.total_elements)
 
 
 class BF16ChangeDetector:

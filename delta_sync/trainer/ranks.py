@@ -9,9 +9,19 @@ names, digests, counts, 64-bit checksums), never weights.
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Any
 
-__all__ = ["RankGroup"]
+__all__ = ["RankGroup", "ThreadRole"]
+
+
+class ThreadRole(Enum):
+    """Which of a publisher's threads runs a collective: each has a process group of its own."""
+
+    #: The training thread: `publish`, `flush`, `close`.
+    CALLER = "caller"
+    #: The publisher's worker thread, which writes the versions.
+    WORKER = "worker"
 
 
 class RankGroup:
@@ -27,19 +37,20 @@ class RankGroup:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.rank = 0
-        self._groups: dict[str, Any] = {}
+        self._groups: dict[ThreadRole, Any] = {}
         if world_size > 1:
             import torch.distributed as dist
 
             self.rank = dist.get_rank()
-            self._groups = {name: dist.new_group(backend="gloo") for name in ("caller", "worker")}
+            self._groups = {role: dist.new_group(backend="gloo") for role in ThreadRole}
 
-    def gather(self, obj: Any, *, thread: str) -> list[Any]:
+    def gather(self, obj: Any, *, thread: ThreadRole) -> list[Any]:
         """Every rank's `obj`, in rank order, on every rank.
 
         Args:
             obj: A small picklable object.
-            thread: `"caller"` (the training thread) or `"worker"` (the publisher's thread).
+            thread: The thread calling: [`ThreadRole.CALLER`] (the training thread) or
+                [`ThreadRole.WORKER`] (the publisher's thread).
         """
         if self.world_size == 1:
             return [obj]
@@ -51,4 +62,4 @@ class RankGroup:
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank (from the training thread)."""
-        return self.gather(obj, thread="caller")[0]
+        return self.gather(obj, thread=ThreadRole.CALLER)[0]

@@ -1,4 +1,4 @@
-#!/bin/sh
+#!/bin/bash
 # Starts `vllm serve` with the delta-sync engine on the Space's port.
 #   MODEL_ID                    model to serve (Hub id or path); required
 #   DELTA_SYNC_ALLOWED_BUCKETS  buckets the server may load weights from; required
@@ -6,15 +6,31 @@
 #   DELTA_SYNC_VERIFY_KEY       the trainer's public key (PEM): only signed versions are applied
 #   DELTA_SYNC_FOLLOW           a bucket URL: run `delta-sync follow` beside the server
 #   DELTA_SYNC_FOLLOW_INTERVAL  seconds between its polls (default 5)
-#   VLLM_EXTRA_ARGS             more `vllm serve` arguments, e.g. "--max-model-len 4096"
-set -eu
+#   VLLM_EXTRA_ARGS             more `vllm serve` arguments, e.g. "--max-model-len 4096", split
+#                               as a shell would (quotes keep an argument with spaces whole)
+set -euo pipefail
 : "${MODEL_ID:?set the MODEL_ID variable of the Space}"
 : "${DELTA_SYNC_ALLOWED_BUCKETS:?set the DELTA_SYNC_ALLOWED_BUCKETS variable of the Space}"
 : "${DELTA_SYNC_API_TOKEN:?set the DELTA_SYNC_API_TOKEN secret of the Space}"
 export VLLM_SERVER_DEV_MODE=1
 
+# VLLM_EXTRA_ARGS as an array, split by shlex (never by the shell: nothing in it is run).
+extra_args=()
+if [ -n "${VLLM_EXTRA_ARGS:-}" ]; then
+    python3 -c 'import os, shlex; shlex.split(os.environ["VLLM_EXTRA_ARGS"])' \
+        || { echo "start.sh: VLLM_EXTRA_ARGS does not split into arguments (unbalanced quotes?)" >&2; exit 2; }
+    mapfile -d '' -t extra_args < <(python3 -c \
+        'import os, shlex, sys; sys.stdout.write("".join(a + "\0" for a in shlex.split(os.environ["VLLM_EXTRA_ARGS"])))')
+fi
+
+# vLLM's CPU workers exchange tensors through /dev/shm; a container's default (64 MiB) is
+# too small (`--shm-size=2g` on `docker run` / `podman run`).
+shm_kib=$(df -Pk /dev/shm 2>/dev/null | awk 'NR == 2 {print $4}' || true)
+if [ -n "$shm_kib" ] && [ "$shm_kib" -lt 1048576 ]; then
+    echo "start.sh: warning: /dev/shm has $((shm_kib / 1024)) MiB free; vLLM may need more (run the container with --shm-size=2g)" >&2
+fi
+
 serve() {
-    # shellcheck disable=SC2086  # VLLM_EXTRA_ARGS is a list of arguments
     exec python3 -m vllm.entrypoints.openai.api_server \
         --model "$MODEL_ID" \
         --host 0.0.0.0 \
@@ -23,7 +39,7 @@ serve() {
         --worker-extension-cls vllm_ext.DeltaWorkerExtension \
         --weight-transfer-config '{"backend": "delta"}' \
         --logprobs-mode processed_logprobs \
-        ${VLLM_EXTRA_ARGS:-}
+        "${extra_args[@]}"
 }
 
 [ -n "${DELTA_SYNC_FOLLOW:-}" ] || serve

@@ -17,19 +17,25 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import deepspeed
 import deepspeed.comm
 import torch
 import torch.distributed as dist
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
 from delta_sync import Receiver
 from delta_sync.trainer.callback import DeltaSyncCallback
 from delta_sync.trainer.detector import canonical_name
 
-VOCAB = 301
+ROOT = Path(__file__).resolve().parents[2]
+# The tiny model lives with the examples, the shared test helpers with the tests.
+sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "tests")]
+
+from helpers import uneven_qwen3_config  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -59,18 +65,7 @@ def no_weight_gathers():
 
 
 def build_model() -> torch.nn.Module:
-    # Widths that do not divide evenly; head_dim 2 gives 2-element q/k norms, which leave a
-    # third rank an empty ZeRO-3 partition.
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=50,
-        intermediate_size=70,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=2,
-        tie_word_embeddings=False,
-    )
+    config = uneven_qwen3_config()  # a third rank holds an empty ZeRO-3 partition of the q/k norms
     torch.manual_seed(0)
     return Qwen3ForCausalLM(config)
 
@@ -148,7 +143,7 @@ def main() -> None:
     versions = []
     generator = torch.Generator().manual_seed(rank)
     for step in range(1, args.steps + 1):
-        ids = torch.randint(0, VOCAB, (2, 8), generator=generator)
+        ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=generator)
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()

@@ -14,16 +14,24 @@ import argparse
 import contextlib
 import json
 import math
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
 from delta_sync import Receiver
 from delta_sync.trainer.callback import DeltaSyncCallback
+
+ROOT = Path(__file__).resolve().parents[2]
+# The tiny model lives with the examples, the shared test helpers with the tests.
+sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "tests")]
+
+from helpers import uneven_qwen3_config  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -42,18 +50,7 @@ def no_weight_gathers():
 
 
 def build_model(master: bool, model_dir: str | None = None) -> torch.nn.Module:
-    # Vocabulary and widths that do not divide evenly; head_dim 2 makes the q/k norms
-    # (2 elements) leave a third rank an empty shard.
-    config = Qwen3Config(
-        vocab_size=301,
-        hidden_size=50,
-        intermediate_size=70,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=2,
-        tie_word_embeddings=False,
-    )
+    config = uneven_qwen3_config()  # a third rank holds an empty shard of the q/k norms
     torch.manual_seed(0)
     dtype = torch.float32 if master else torch.bfloat16
     if model_dir is not None:  # e.g. the checkpoint a vLLM server serves

@@ -1,8 +1,10 @@
 """The control plane: everything the trainer and a vLLM replica say to each other.
 
 Weights travel through the bucket; the only messages are small HTTP requests to vLLM's
-dev-mode routes (`VLLM_SERVER_DEV_MODE=1`). Both sides import this module, and nothing
+dev-mode routes (`VLLM_SERVER_DEV_MODE=1`). Both sides import this package, and nothing
 else spells a route, a field, an RPC method or an environment variable of the contract.
+Its `client` module holds [`Replica`], the HTTP client that drives one server through
+these routes (the trainer's `ReplicaSet` and `delta-sync follow` both use it).
 
 | step | route | body |
 | --- | --- | --- |
@@ -31,14 +33,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from .errors import ApplyError
+from ..errors import ApplyError
+from ..version import HeldVersion, VersionId
 
 __all__ = [
     "ALLOWED_BUCKETS_ENV",
     "API_TOKEN_ENV",
+    "PREFETCH_ENV",
+    "PREFETCH_METHOD",
     "STATUS_METHOD",
     "TOKEN_HEADER",
     "ReplicaStatus",
@@ -65,6 +70,14 @@ TOKEN_HEADER = "X-Delta-Sync-Token"
 
 #: The worker-extension method `/collective_rpc` calls for a [`ReplicaStatus`].
 STATUS_METHOD = "delta_sync_status"
+
+#: The worker-extension method that hints a replica to prepare a bucket's newest version
+#: now (`{"method": PREFETCH_METHOD, "kwargs": {"bucket": URL}}`); it returns at once.
+PREFETCH_METHOD = "delta_sync_prefetch"
+
+#: Seconds between a vLLM worker's polls of the buckets it prefetches from (default 2);
+#: `off` (or 0) prepares versions only when an update asks for them.
+PREFETCH_ENV = "DELTA_SYNC_PREFETCH"
 
 # A bare `namespace/name`, as the published TRL client sends in `repo_id`: a Hugging Face bucket.
 _HF_BUCKET_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
@@ -219,26 +232,63 @@ def _check_checkpoint_format(value: Any) -> None:
 class ReplicaStatus:
     """What one vLLM worker reports through `/collective_rpc` [`STATUS_METHOD`].
 
+    On the wire it is a flat JSON object: `version`, `anchor_version`, `run_id` (null
+    before the first update), `epoch` (only when the version has one), `model_checksum`,
+    `pending`, `updating`, `prepared_version`.
+
     Args:
-        version: The version the worker serves, or None before its first update.
-        anchor_version: The anchor that version descends from.
-        run_id: The training run the weights belong to.
+        held: The version the worker serves, or None before its first update.
         model_checksum: Digest of the served bf16 weights; equal to the trainer's
             `PublishReport.model_checksum` and `latest.json`'s when the weights are identical.
         pending: Parameters applied to the snapshot but not yet loaded into the model
             (what `/finish_weight_update` loads).
         updating: A weight-update session is open (started, not yet finished or failed).
+        prepared_version: The newest version the worker's snapshot holds, ready to load
+            without a download (ahead of `version` once a prefetch prepared the next one);
+            None before it holds any (or from a server that does not say).
     """
 
-    version: int | None = None
-    anchor_version: int | None = None
-    run_id: str | None = None
+    held: VersionId | None = None
     model_checksum: str | None = None
     pending: int = 0
     updating: bool = False
+    prepared_version: int | None = None
+
+    @classmethod
+    def of(
+        cls,
+        served: HeldVersion | None,
+        *,
+        pending: int = 0,
+        updating: bool = False,
+        prepared_version: int | None = None,
+    ) -> ReplicaStatus:
+        """The status of a worker whose model serves `served`."""
+        if served is None:
+            return cls(pending=pending, updating=updating, prepared_version=prepared_version)
+        return cls(served.id, served.model_checksum, pending, updating, prepared_version)
+
+    @property
+    def version(self) -> int | None:
+        return None if self.held is None else self.held.version
+
+    @property
+    def anchor_version(self) -> int | None:
+        return None if self.held is None else self.held.anchor_version
+
+    @property
+    def run_id(self) -> str | None:
+        return None if self.held is None else self.held.run_id
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data: dict[str, Any] = {"version": None, "anchor_version": None, "run_id": None}
+        if self.held is not None:
+            data.update(asdict(self.held))
+            if not self.held.epoch:
+                del data["epoch"]
+        data.update(model_checksum=self.model_checksum, pending=self.pending, updating=self.updating)
+        data["prepared_version"] = self.prepared_version
+        return data
 
     @classmethod
     def from_dict(cls, data: Any) -> ReplicaStatus:
@@ -249,25 +299,37 @@ class ReplicaStatus:
         """
         if not isinstance(data, Mapping):
             raise ValueError(f"a replica status must be a JSON object, got {data!r}")
-        types = {
-            "version": (int, type(None)),
-            "anchor_version": (int, type(None)),
-            "run_id": (str, type(None)),
-            "model_checksum": (str, type(None)),
-            "pending": (int,),
-            "updating": (bool,),
-        }
-        values = {}
-        for spec in fields(cls):
-            if spec.name not in data:
-                raise ValueError(f"replica status lacks {spec.name!r}: {dict(data)!r}")
-            value = data[spec.name]
-            if not isinstance(value, types[spec.name]) or (isinstance(value, bool) and bool not in types[spec.name]):
-                raise ValueError(f"replica status field {spec.name!r} has the wrong type: {value!r}")
-            values[spec.name] = value
-        return cls(**values)
+        values = {key: _status_field(data, key, kinds) for key, kinds in _STATUS_FIELDS.items()}
+        epoch = _status_field(data, "epoch", (str,)) if "epoch" in data else ""
+        # Servers before prefetching did not report it.
+        prepared = _status_field(data, "prepared_version", (int, type(None))) if "prepared_version" in data else None
+        held = None
+        if values["version"] is not None:
+            if values["anchor_version"] is None or values["run_id"] is None:
+                raise ValueError(f"replica status has a version but no anchor_version or run_id: {dict(data)!r}")
+            held = VersionId(values["version"], values["anchor_version"], values["run_id"], epoch)
+        return cls(held, values["model_checksum"], values["pending"], values["updating"], prepared)
 
     @property
     def served(self) -> tuple[int | None, str | None, str | None]:
         """`(version, run_id, model_checksum)`: what must agree across a server's workers."""
         return self.version, self.run_id, self.model_checksum
+
+
+_STATUS_FIELDS: dict[str, tuple[type, ...]] = {
+    "version": (int, type(None)),
+    "anchor_version": (int, type(None)),
+    "run_id": (str, type(None)),
+    "model_checksum": (str, type(None)),
+    "pending": (int,),
+    "updating": (bool,),
+}
+
+
+def _status_field(data: Mapping[str, Any], key: str, kinds: tuple[type, ...]) -> Any:
+    if key not in data:
+        raise ValueError(f"replica status lacks {key!r}: {dict(data)!r}")
+    value = data[key]
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise ValueError(f"replica status field {key!r} has the wrong type: {value!r}")
+    return value

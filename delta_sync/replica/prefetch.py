@@ -1,0 +1,136 @@
+"""`Prefetcher`: prepares new versions in a shared snapshot before anyone asks for them.
+
+vLLM runs weight-update requests inside its engine loop, so whatever `/update_weights`
+does, nothing generates meanwhile. A prefetcher runs on a thread of its own in the
+replica's process: whenever a watched bucket's `latest.json` moves (or the trainer hints
+that it did), it downloads, verifies, decodes and applies the new versions to the node
+snapshot ([`Receiver.prefetch`]) while the server keeps generating. The update the trainer
+posts then finds its version prepared and only loads what changed.
+
+Example:
+    ```python
+    >>> prefetcher = Prefetcher(receiver, interval=2.0)
+    >>> prefetcher.watch("s3://ckpts/run-1")
+    >>> prefetcher.start()
+    >>> prefetcher.hint()  # the trainer published: look now
+    >>> prefetcher.stop()
+    ```
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from ..errors import BucketFileNotFoundError
+from ..layout import LATEST
+from ..storage import Bucket, open_bucket
+from .receiver import Receiver
+
+__all__ = ["Prefetcher"]
+
+logger = logging.getLogger("delta_sync")
+
+
+class Prefetcher:
+    """Keeps a receiver's shared snapshot at the newest version of the buckets it watches.
+
+    Each poll costs one small conditional read of each watched bucket's `latest.json`
+    (see `Bucket.read_if_changed`). Failures are logged once per distinct message and
+    retried at later polls, after waits that double from `interval` up to `max_backoff`;
+    they never stop the thread. A bucket with no `latest.json` yet is skipped quietly.
+
+    Args:
+        receiver: The receiver whose snapshot to prepare; its store must be shared (a
+            `NodeStore`).
+        interval: Seconds between polls while all is well.
+        max_backoff: Longest wait, in seconds, between polls that fail.
+    """
+
+    def __init__(self, receiver: Receiver, *, interval: float = 2.0, max_backoff: float = 60.0) -> None:
+        if not interval > 0:
+            raise ValueError(f"interval must be > 0, got {interval}")
+        self.receiver = receiver
+        self.interval = interval
+        self.max_backoff = max(max_backoff, interval)
+        self._buckets: dict[str, Bucket] = {}
+        self._tags: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_problem: str | None = None
+
+    @property
+    def watched(self) -> list[str]:
+        """The bucket URLs polled."""
+        with self._lock:
+            return list(self._buckets)
+
+    def watch(self, bucket: Bucket | str) -> None:
+        """Poll `bucket` too, from the next poll on (its URL, or an open bucket); watching it
+        again changes nothing."""
+        opened = bucket if isinstance(bucket, Bucket) else open_bucket(bucket)
+        with self._lock:
+            if opened.url in self._buckets:
+                return
+            self._buckets[opened.url] = opened
+        logger.info("delta-sync: prefetching new versions of %s", opened.url)
+
+    def hint(self, bucket: Bucket | str | None = None) -> None:
+        """Look at the watched buckets (and `bucket`, watched from now on) now rather than
+        at the next poll. Returns at once."""
+        if bucket is not None:
+            self.watch(bucket)
+        with self._lock:
+            self._tags.clear()  # read latest.json even if its tag did not change
+        self._wake.set()
+
+    def start(self) -> None:
+        """Start the polling thread (a daemon: it never keeps the process alive)."""
+        if self._thread is not None:
+            raise RuntimeError("the prefetcher was already started")
+        self._thread = threading.Thread(target=self._run, name="delta-sync-prefetch", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop polling; waits up to `timeout` seconds for a prefetch in progress."""
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def poll_once(self) -> bool:
+        """Prefetch every watched bucket whose `latest.json` moved; True when all succeeded."""
+        with self._lock:
+            buckets = list(self._buckets.values())
+        return all([self._prefetch(bucket) for bucket in buckets])
+
+    def _run(self) -> None:
+        delay = self.interval
+        while not self._stopping.is_set():
+            self._wake.wait(delay)
+            self._wake.clear()
+            if self._stopping.is_set():
+                return
+            delay = self.interval if self.poll_once() else min(2 * delay, self.max_backoff)
+
+    def _prefetch(self, bucket: Bucket) -> bool:
+        with self._lock:
+            tag = self._tags.get(bucket.url)
+        try:
+            content, new_tag = bucket.read_if_changed(LATEST, tag)
+            if content is not None:
+                self.receiver.prefetch(bucket)
+        except BucketFileNotFoundError:
+            return True  # nothing published there yet
+        except Exception as exc:  # a prefetch that fails is retried; the update posted later says why
+            problem = f"{bucket.url}: {type(exc).__name__}: {exc}"
+            if problem != self._last_problem:
+                logger.warning("delta-sync: prefetching %s failed (retrying): %s", bucket.url, problem)
+            self._last_problem = problem
+            return False
+        with self._lock:
+            self._tags[bucket.url] = new_tag  # only once its versions are in the snapshot
+        self._last_problem = None
+        return True
