@@ -45,7 +45,17 @@ from ..errors import (
 )
 from ..format import Anchor, Delta, DeltaFile, FileHeader, read_file
 from ..integrity import model_checksum, updated_checksum
-from ..layout import LATEST, Latest, is_manifest, is_part, parse_step_path, version_files
+from ..layout import (
+    LATEST,
+    Latest,
+    anchor_path,
+    delta_path,
+    is_manifest,
+    is_part,
+    manifest_path,
+    parse_step_path,
+    version_files,
+)
 from ..manifest import MAX_MANIFEST_BYTES, Manifest, PartRecord, read_version
 from ..parallel import parallel_map
 from ..signing import SIGNATURE_SUFFIX, VERIFY_KEY_ENV, FileSignature, VerifyKey, file_sha256
@@ -808,7 +818,11 @@ class Receiver:
         kind: Literal["anchor", "delta"] | None = None,
     ) -> None:
         step = None if is_part(path) else parse_step_path(path)
-        if step is not None and self._is_stale(step[1], latest.run_id, latest.epoch):
+        canonical = step is not None and path in (
+            anchor_path(step[1]) if step[0] == "anchor" else delta_path(step[1]),
+            manifest_path(*step),
+        )
+        if canonical and self._is_stale(step[1], latest.run_id, latest.epoch):
             return  # the snapshot holds this version or has passed it: nothing to read again
         with self.open_version(bucket, path, namespace=_namespace(latest)) as file:
             if kind is not None:
