@@ -268,13 +268,15 @@ class ModelLoader:
     def load_patches(self, patches: list[WeightPatch]) -> None:
         """Write what changed: in place where the parameter allows it, whole otherwise."""
         in_place = self.in_place_names()
-        sparse = [
-            patch
-            for patch in patches
-            if patch.positions is not None and patch.name in in_place and not _holds_nan(patch)
-        ]
-        chosen = {patch.name for patch in sparse}
-        whole = [(patch.name, patch.tensor) for patch in patches if patch.name not in chosen]
+        # The new values at the changed positions, gathered once: checked for the patch
+        # loader's NaN sentinel, then handed to it.
+        sparse: dict[str, tuple[WeightPatch, torch.Tensor]] = {}
+        for patch in patches:
+            if patch.positions is not None and patch.name in in_place:
+                values = patch.tensor.reshape(-1)[patch.positions]
+                if not bool(torch.isnan(values).any()):
+                    sparse[patch.name] = (patch, values)
+        whole = [(patch.name, patch.tensor) for patch in patches if patch.name not in sparse]
         if whole:
             self(whole)
         if sparse:
@@ -287,20 +289,20 @@ class ModelLoader:
                 self.model,
                 [
                     CheckpointWeightPatch(
-                        name=patch.name,
+                        name=name,
                         shape=tuple(patch.tensor.shape),
                         dtype=patch.tensor.dtype,
-                        values=patch.tensor.reshape(-1)[patch.positions],
+                        values=values,
                         indices=patch.positions,
                     )
-                    for patch in sparse
+                    for name, (patch, values) in sparse.items()
                 ],
                 validate_unique_indices=False,  # positions are unique and sorted by construction
             )
         logger.info(
             "delta-sync: wrote %d tensor(s) in place (%d changed elements), reloaded %d whole",
             len(sparse),
-            sum(patch.positions.numel() for patch in sparse),
+            sum(values.numel() for _, values in sparse.values()),
             len(whole),
         )
 
@@ -310,9 +312,7 @@ class ModelLoader:
         if self._in_place is None:
             runtime = dict(self.model.named_parameters())
             self._in_place = {
-                name
-                for name, param in runtime.items()
-                if param.numel() > 0 and param.is_floating_point() and not _is_quantized(param)
+                name for name, param in runtime.items() if param.numel() > 0 and param.dtype in _PLAIN_DTYPES
             }
             try:
                 import vllm.model_executor.model_loader.checkpoint_weight_patch  # noqa: F401
@@ -327,13 +327,8 @@ class ModelLoader:
         return self._in_place
 
 
-def _holds_nan(patch: WeightPatch) -> bool:
-    values = patch.tensor.reshape(-1)[patch.positions]
-    return bool(torch.isnan(values).any())
-
-
-def _is_quantized(param: torch.Tensor) -> bool:
-    return param.dtype not in (torch.bfloat16, torch.float16, torch.float32)
+#: Dtypes of parameters that are not quantized: the patch loader writes these element-wise.
+_PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def make_receiver(shapes: dict[str, tuple[int, ...]] | None, **kwargs) -> Receiver:
