@@ -115,9 +115,9 @@ class NoStep(torch.optim.Optimizer):
 
 
 def check_signature(root: Path, path: str, key: SigningKey) -> None:
-    """What a replica with a verify key does before reading a file: hash it, check the signature."""
+    """What a replica with a verify key does before reading a file: check the signature, hash the file."""
     signature = FileSignature.from_json((root / (path + SIGNATURE_SUFFIX)).read_bytes(), source=path)
-    key.verify_key.verify_file(path, file_sha256(root / path), signature)
+    key.verify_key.verify_file(signature, path=path, bucket=root.as_uri(), sha256=file_sha256(root / path))
 
 
 def timed(fn) -> float:

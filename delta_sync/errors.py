@@ -91,6 +91,16 @@ class SignatureError(DeltaSyncError):
     nothing has been applied."""
 
 
+class ReplayError(SignatureError):
+    """A genuinely signed pointer is older than one the replica already accepted from the
+    bucket: an old `latest.json` put back (a rollback or a replay of an abandoned epoch)."""
+
+
+class OversizedFileError(BucketError, FormatError):
+    """A bucket file is larger than its signature, or the model's shapes, allow: refused
+    before it is downloaded past that size."""
+
+
 class UntrustedBucketError(ApplyError):
     """A receiver was asked to load weights from a bucket it is not configured to trust."""
 
@@ -143,3 +153,9 @@ class ReplicaError(DeltaSyncError):
         self.route = route
         self.status = status
         self.server_message = server_message
+
+
+class UnservableModelError(UnsupportedLayoutError):
+    """The model's parameters are not named like the checkpoint a replica serves (an
+    unknown wrapper inserts segments into the names), or it is a PEFT model whose merged
+    weights cannot be computed exactly: refused at train begin, before anything is written."""

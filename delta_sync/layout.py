@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
+import time
 from dataclasses import asdict, dataclass
 
 from .errors import FormatError, SignatureError
-from .signing import FileSignature, SigningKey, VerifyKey
+from .signing import FileSignature, SignedFile, SigningKey, VerifyKey
 from .version import Identified, VersionId
 
 ANCHOR_DIR = "anchors"
@@ -119,6 +121,15 @@ class Latest(Identified):
         epoch_start: The first version that start wrote: files of earlier versions are the
             run's history (any epoch); from it on, only files of `epoch` belong to the run.
             0 puts no constraint.
+        sequence: Counts the pointer's writes over the life of the bucket prefix, across
+            resumes (the trainer takes at least its microsecond clock, so a new start of a
+            run counts on from the old one): a replica with a verify key never accepts a
+            lower one than it has (a replayed, older pointer). 0 in pointers written
+            before it existed.
+        written_at: When the trainer wrote (or refreshed) the pointer, in seconds since the
+            epoch: how fresh what a replica follows is. 0.0 in older pointers.
+        bucket: The bucket the pointer was written for (see
+            `delta_sync.signing.bucket_identity`); "" in older pointers.
     """
 
     id: VersionId
@@ -126,15 +137,28 @@ class Latest(Identified):
     delta: str | None
     model_checksum: str
     epoch_start: int = 0
+    sequence: int = 0
+    written_at: float = 0.0
+    bucket: str = ""
 
     def _fields(self) -> dict:
         fields = {**asdict(self.id), "anchor": self.anchor, "delta": self.delta}
         fields.update(model_checksum=self.model_checksum, epoch_start=self.epoch_start)
-        if not self.epoch:
-            del fields["epoch"]
-        if not self.epoch_start:
-            del fields["epoch_start"]
+        fields.update(sequence=self.sequence, written_at=self.written_at, bucket=self.bucket)
+        for optional in ("epoch", "epoch_start", "sequence", "written_at", "bucket"):
+            if not fields[optional]:
+                del fields[optional]
         return fields
+
+    def age(self, now: float | None = None) -> float | None:
+        """Seconds since the trainer wrote the pointer (None for a pointer without a time)."""
+        if not self.written_at:
+            return None
+        return max(0.0, (time.time() if now is None else now) - self.written_at)
+
+    def digest(self) -> str:
+        """SHA-256 of what the pointer says (its signature aside)."""
+        return hashlib.sha256(self._signed_bytes()).hexdigest()
 
     def owns(self, version: int, epoch: str) -> bool:
         """Whether a file of `version` written by publisher start `epoch` is part of the
@@ -148,17 +172,35 @@ class Latest(Identified):
         """The file's bytes; with a key, they carry a signature of the other fields."""
         fields = self._fields()
         if signing_key is not None:
-            fields["signature"] = vars(signing_key.sign(LATEST, hashlib.sha256(self._signed_bytes()).hexdigest()))
+            signed = self._signed_bytes()
+            about = SignedFile(LATEST, self.digest(), len(signed), self.bucket, self.run_id, self.epoch)
+            fields["signature"] = signing_key.sign(about).to_dict()
         return json.dumps(fields, indent=2, sort_keys=True).encode() + b"\n"
 
     @classmethod
-    def from_json(cls, data: bytes, *, source: str = LATEST, verify_key: VerifyKey | None = None) -> Latest:
+    def from_json(
+        cls,
+        data: bytes,
+        *,
+        source: str = LATEST,
+        verify_key: VerifyKey | None = None,
+        bucket: str | None = None,
+    ) -> Latest:
         """Parse `latest.json`, strictly; with a key, check its signature first.
+
+        Args:
+            data: The file's bytes.
+            source: Names the file in errors.
+            verify_key: Accept only a pointer this key signed.
+            bucket: The bucket the pointer is read from (see
+                `delta_sync.signing.bucket_identity`); with a key, the pointer must be
+                signed for it.
 
         Raises:
             FormatError: Not a valid pointer (the message names the field).
-            SignatureError: `verify_key` is given and the pointer is unsigned or not
-                signed by it.
+            SignatureError: `verify_key` is given and the pointer is unsigned, not signed
+                by it, signed for another bucket, or lacks the counter and time that make
+                a replayed pointer detectable.
         """
         if len(data) > MAX_LATEST_BYTES:
             raise FormatError(f"{source}: {len(data)} bytes is too large for a latest.json pointer")
@@ -180,15 +222,23 @@ class Latest(Identified):
             delta=None if fields.get("delta") is None else _text(fields, "delta", source),
             model_checksum=_text(fields, "model_checksum", source),
             epoch_start=_count(fields, "epoch_start", source) if "epoch_start" in fields else 0,
+            sequence=_count(fields, "sequence", source) if "sequence" in fields else 0,
+            written_at=_seconds(fields, "written_at", source) if "written_at" in fields else 0.0,
+            bucket=_text(fields, "bucket", source) if "bucket" in fields else "",
         )
         if verify_key is not None:
             if not isinstance(signature, dict):
                 raise SignatureError(f"{source}: not signed, but this replica only trusts signed versions")
-            try:
-                parsed = FileSignature(**{key: signature[key] for key in ("path", "sha256", "key_id", "signature")})
-            except (KeyError, TypeError):
-                raise FormatError(f"{source}: its 'signature' is malformed") from None
-            verify_key.verify_file(LATEST, hashlib.sha256(latest._signed_bytes()).hexdigest(), parsed)
+            if bucket is None:
+                raise ValueError("checking a signed latest.json needs the bucket it is read from")
+            parsed = FileSignature.from_dict(signature, source=f"{source} (its 'signature')")
+            verify_key.verify(parsed, path=LATEST, bucket=bucket)
+            parsed.check_digest(latest.digest())
+            if not latest.sequence or not latest.written_at:
+                raise SignatureError(
+                    f"{source}: signed, but without the 'sequence' and 'written_at' that let a replica refuse "
+                    "an older pointer put back; republish with this version of delta-sync"
+                )
         return latest
 
 
@@ -197,6 +247,13 @@ def _count(fields: dict, key: str, source: str) -> int:
     if type(value) is not int or value < 0:
         raise FormatError(f"{source}: not a valid latest.json pointer ('{key}' must be a non-negative integer)")
     return value
+
+
+def _seconds(fields: dict, key: str, source: str) -> float:
+    value = fields.get(key)
+    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+        raise FormatError(f"{source}: not a valid latest.json pointer ('{key}' must be a non-negative number)")
+    return float(value)
 
 
 def _text(fields: dict, key: str, source: str) -> str:

@@ -19,12 +19,34 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-__all__ = ["parallel_map"]
+__all__ = ["THREADS_ENV", "parallel_map", "thread_count"]
 
 T = TypeVar("T")
 R = TypeVar("R")
 
-_WORKERS = min(8, os.cpu_count() or 1)
+#: Threads `parallel_map` uses, the calling one included (default: the cores this process may run on).
+THREADS_ENV = "DELTA_SYNC_THREADS"
+
+
+def thread_count() -> int:
+    """`DELTA_SYNC_THREADS`, else the cores this process may run on (its CPU affinity, which
+    container limits and `taskset` narrow), else `os.cpu_count()`.
+
+    Raises:
+        ValueError: `DELTA_SYNC_THREADS` is not a positive integer.
+    """
+    value = os.environ.get(THREADS_ENV, "").strip()
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{THREADS_ENV} must be a positive integer, got {value!r}")
+        return int(value)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+_WORKERS = thread_count()
 
 
 @functools.lru_cache(maxsize=1)

@@ -23,7 +23,7 @@ from numba.extending import overload
 
 from .bitmasks import LANES, differ, differ_rounded
 
-__all__ = ["changed_positions", "extract_changes_", "gather", "scatter_"]
+__all__ = ["changed_positions", "extract_changes_", "extract_changes_batched_", "gather", "scatter_"]
 
 
 def changed_positions(current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
@@ -218,3 +218,91 @@ def _record(snapshot, i, value, positions, new, old, count):
     new[count] = value
     old[count] = snapshot[i]
     snapshot[i] = value
+
+
+def extract_changes_batched_(
+    pairs: list[tuple[torch.Tensor, torch.Tensor, torch.dtype]],
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+    """[`extract_changes_`] for many tensors at once, with torch operations only: the path
+    for tensors the compiled pass does not take (on a GPU, non-contiguous, other dtypes),
+    with a fixed number of host synchronisations per call, whatever the number of tensors.
+
+    Each current tensor is rounded to bf16 as `tensor.to(torch.bfloat16)` does and compared
+    bitwise with its snapshot twice: once to count the changes of every tensor (one
+    synchronisation for all the counts), once to list them into buffers of exactly that size
+    (`nonzero_static`, no synchronisation). The snapshot is advanced at the changed positions
+    only. Positions, new and old values of every tensor then cross to the host together, in
+    one copy per kind (into pinned memory from a GPU, without blocking) and one more
+    synchronisation. No mask outlives its tensor's turn, so device memory grows by at most one
+    tensor's mask plus the changes.
+
+    Args:
+        pairs: `(current, snapshot, index dtype)` per tensor: the weights now (any float
+            dtype, any layout, as many elements as the snapshot), the contiguous bf16
+            snapshot on the same device, and the dtype of the positions (int32 or int64).
+
+    Returns:
+        Per pair, `(positions, new values, old values)` as host tensors (ascending flat
+        positions of the dtype asked for, bf16 values), or None where nothing changed.
+
+    Example:
+        ```python
+        >>> found = extract_changes_batched_([(param.detach(), snapshot[name], torch.int32)])
+        ```
+    """
+    if not pairs:
+        return []
+
+    def rounded(current: torch.Tensor, snapshot: torch.Tensor) -> torch.Tensor:
+        # Rounded where the weights live, then moved: 2 bytes an element cross, not 4.
+        return current.detach().reshape(-1).to(torch.bfloat16).to(snapshot.device).view(torch.int16)
+
+    counts = torch.stack([(rounded(cur, snap) != snap.view(-1).view(torch.int16)).sum() for cur, snap, _ in pairs])
+    counts = counts.tolist()  # the first synchronisation
+    positions, new, old = [], [], []
+    for (current, snapshot, _), count in zip(pairs, counts):
+        if not count:
+            continue
+        bits, snap = rounded(current, snapshot), snapshot.view(-1).view(torch.int16)
+        found = torch.nonzero_static(bits != snap, size=count).squeeze(1)
+        values = bits[found]
+        positions.append(found)
+        old.append(snap[found])
+        new.append(values)
+        snap[found] = values
+    if not positions:
+        return [None] * len(pairs)
+    device = positions[0].device
+    # Positions cross as int32 unless a tensor is too large for it: 4 bytes a change, not 8.
+    wide = any(snapshot.numel() > torch.iinfo(torch.int32).max for _, snapshot, _ in pairs)
+    crossing = torch.cat(positions).to(torch.int64 if wide else torch.int32)
+    host = [_to_host(part, device) for part in (crossing, torch.cat(new), torch.cat(old))]
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()  # the second synchronisation
+    host_positions, host_new, host_old = host
+    results: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = []
+    start = 0
+    for (_, _, dtype), count in zip(pairs, counts):
+        if not count:
+            results.append(None)
+            continue
+        end = start + count
+        results.append(
+            (
+                host_positions[start:end].to(dtype),
+                host_new[start:end].view(torch.bfloat16),
+                host_old[start:end].view(torch.bfloat16),
+            )
+        )
+        start = end
+    return results
+
+
+def _to_host(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host copy of `tensor`: from a GPU into pinned memory without blocking (the caller
+    synchronises once), else the tensor itself."""
+    if device.type != "cuda":
+        return tensor
+    staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    staged.copy_(tensor, non_blocking=True)
+    return staged

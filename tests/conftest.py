@@ -104,6 +104,22 @@ def run(tmp_path):
     published.close()
 
 
+def resume_in_place(root, run_id: str, versions) -> tuple[TwoTower, object]:
+    """Resume run `run_id` in place, from another trajectory (a new start of its publisher,
+    so a new epoch), and publish `versions`; returns the model and the closed publisher."""
+    from delta_sync import BF16ChangeDetector, Publisher
+
+    torch.manual_seed(5)
+    model = TwoTower()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    publisher = Publisher(root, BF16ChangeDetector(model, optimizer), run_id=run_id, background=False)
+    for version in versions:
+        train_step(model, optimizer, seed=50 + version)
+        publisher.publish(version)
+    publisher.close()
+    return model, publisher
+
+
 def replica_receiver(**kwargs):
     """A Receiver feeding a fresh TwoTower replica, plus the replica."""
     from delta_sync import Receiver, expected_shapes_of, module_weight_loader
@@ -162,6 +178,24 @@ def vllm_server(served_model, bucket_root, hub_server, tmp_path_factory):
             "DELTA_SYNC_PREFETCH": "3600",
             **XET_RETRY_ENV,
         },
+    ) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def guarded_server(served_model, bucket_root, tmp_path_factory):
+    """A second real server, shared by the modules that need it: its weight routes need
+    `vllm_server.API_TOKEN` (`vllm_ext.auth`), and it applies only versions signed with
+    `vllm_server.SIGNING_KEY`. The unguarded one above stays for clients that send no token."""
+    from vllm_server import API_TOKEN, SIGNING_KEY, serving
+
+    with serving(
+        served_model,
+        tmp_path_factory.mktemp("vllm-guarded"),
+        allowed_buckets=bucket_root.as_uri(),
+        api_token=API_TOKEN,
+        # Prefetch on hints only, so that a test decides when a version is prepared.
+        extra_env={"DELTA_SYNC_VERIFY_KEY": SIGNING_KEY.verify_key.pem.decode(), "DELTA_SYNC_PREFETCH": "3600"},
     ) as server:
         yield server
 

@@ -1,8 +1,9 @@
-"""`vllm_ext.auth`: the token on the weight-update and RPC routes, on a tiny ASGI app.
+"""`vllm_ext.auth`: the token on every route but the status, health and inference ones, on a
+tiny ASGI app.
 
 The middleware is plain ASGI and imports nothing from vLLM; this environment has no vLLM
 (which `vllm_ext/__init__` imports), so the module is loaded from its file. The same class
-guards a real server in `test_vllm.py`.
+guards a real server in `test_vllm_auth.py`, which lists that server's routes.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import logging
 
 import httpx
 import pytest
+
+from delta_sync.control import Route
 
 from vllm_server import vllm_ext_auth
 
@@ -54,17 +57,105 @@ def guarded(inner):
     return auth.WeightRouteAuthMiddleware(inner, token=TOKEN)
 
 
-@pytest.mark.parametrize("route", sorted(auth.GUARDED_ROUTES))
-def test_every_guarded_route_needs_the_token(guarded, inner, route):
+#: vLLM 0.32 routes that change weights, generation, caches or memory, call into the workers,
+#: reveal the configuration, or serve inference outside `--api-key`'s prefixes; and one that
+#: a later vLLM might add. None is open.
+GUARDED = [
+    ("POST", route)
+    for route in (
+        "/init_weight_transfer_engine",
+        "/shutdown_weight_transfer_engine",
+        "/start_weight_update",
+        "/start_draft_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+        "/update_weight_version",
+        "/weight_checker",
+        "/pause",
+        "/resume",
+        "/abort_requests",
+        "/collective_rpc",
+        "/reset_prefix_cache",
+        "/reset_mm_cache",
+        "/reset_encoder_cache",
+        "/sleep",
+        "/wake_up",
+        "/release_kv_cache_memory",
+        "/start_profile",
+        "/stop_profile",
+        "/scale_elastic_ep",
+        "/fault_tolerance/apply",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        "/tokenize",
+        "/detokenize",
+        "/invocations",
+        "/pooling",
+        "/classify",
+        "/score",
+        "/rerank",
+        "/generative_scoring",
+        "/health",  # open to GET only
+        "/a_route_of_a_later_vllm",
+    )
+] + [
+    ("GET", route)
+    for route in ("/server_info", "/tokenizer_info", "/kv_event_sources", "/openapi.json", "/docs", "/metrics/x")
+]
+
+
+def open_requests() -> list[tuple[str, str]]:
+    """A request to each open route: the status routes, and the inference routes with a
+    path parameter filled in."""
+    inference = [("POST", route.replace("{response_id}", "resp_1")) for route in sorted(auth.INFERENCE_ROUTES)]
+    return sorted(auth.STATUS_ROUTES) + inference
+
+
+@pytest.mark.parametrize("method,route", GUARDED)
+def test_every_other_route_needs_the_token(guarded, inner, method, route):
     for headers in [None, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}, {auth.TOKEN_HEADER: "wrong"}]:
-        response = request(guarded, "POST", route, headers)
+        response = request(guarded, method, route, headers)
         assert response.status_code == 401, (route, headers)
         assert response.headers["www-authenticate"].startswith("Bearer")
         assert "token" in response.json()["error"]
     assert inner.calls == []  # nothing reached the server
-    assert request(guarded, "POST", route, {"Authorization": f"Bearer {TOKEN}"}).status_code == 200
-    assert request(guarded, "POST", route, {auth.TOKEN_HEADER: TOKEN}).status_code == 200
-    assert inner.calls == [("POST", route), ("POST", route)]
+    assert request(guarded, method, route, {"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+    assert request(guarded, method, route, {auth.TOKEN_HEADER: TOKEN}).status_code == 200
+    assert inner.calls == [(method, route), (method, route)]
+
+
+def test_the_open_routes_are_status_and_inference_routes_only():
+    # What vLLM's --api-key guards, and nothing of the weight-update protocol.
+    assert all(route.startswith(auth.API_KEY_PREFIXES) for route in auth.INFERENCE_ROUTES)
+    assert all(method in ("GET", "POST") for method, _ in auth.STATUS_ROUTES)
+    open_paths = {path for _, path in auth.STATUS_ROUTES} | auth.INFERENCE_ROUTES
+    control = {value for name, value in vars(Route).items() if name.isupper()}
+    assert control and not control & open_paths
+    assert not {route for _, route in GUARDED} & auth.INFERENCE_ROUTES
+
+
+@pytest.mark.parametrize("method,route", open_requests())
+def test_status_and_inference_routes_are_left_to_vllm(guarded, inner, method, route):
+    assert request(guarded, method, route).status_code == 200
+    assert inner.calls == [(method, route)]
+
+
+@pytest.mark.parametrize(
+    "method,path,headers,is_open",
+    [
+        ("HEAD", "/health", None, True),  # answered as GET
+        ("GET", "/v1/responses/resp_1/cancel", None, True),
+        ("GET", "/v1/responses/a/b", None, False),  # a parameter is one segment
+        ("GET", "/v1/models/", None, False),  # another path for the router
+        ("GET", "/V1/MODELS", None, False),
+        ("OPTIONS", "/pause", {"Origin": "https://x", "Access-Control-Request-Method": "POST"}, True),
+        ("OPTIONS", "/pause", None, False),  # not a preflight, which vLLM's CORS layer would answer
+    ],
+)
+def test_what_is_open_is_matched_as_the_router_sees_it(guarded, inner, method, path, headers, is_open):
+    response = request(guarded, method, path, headers)
+    assert (response.status_code == 200) is is_open, (method, path, response.status_code)
+    assert inner.calls == ([(method, path)] if is_open else [])
 
 
 def test_the_dedicated_header_passes_a_proxy_that_takes_authorization(guarded, inner):
@@ -86,21 +177,6 @@ def test_a_root_path_prefix_is_seen_through(guarded, inner):
         request(guarded, "POST", "/api/pause", {"Authorization": f"Bearer {TOKEN}"}, root_path="/api").status_code
         == 200
     )
-
-
-@pytest.mark.parametrize(
-    "method,path",
-    [
-        ("POST", "/v1/completions"),
-        ("GET", "/health"),
-        ("GET", "/metrics"),
-        ("GET", "/is_paused"),
-        ("OPTIONS", "/pause"),
-    ],
-)
-def test_other_routes_are_left_to_vllm(guarded, inner, method, path):
-    assert request(guarded, method, path).status_code == 200
-    assert inner.calls == [(method, path)]
 
 
 def test_without_a_token_the_routes_are_closed(monkeypatch, inner, caplog):
@@ -135,9 +211,10 @@ def test_websockets_and_lifespan(guarded, inner):
             sent.append(message)
 
         await guarded({"type": "websocket", "path": "/collective_rpc", "headers": []}, receive, send)
+        await guarded({"type": "websocket", "path": "/v1/realtime", "headers": []}, receive, send)  # inference
         await guarded({"type": "lifespan"}, receive, send)  # passes through untouched
         return sent
 
     sent = asyncio.run(run())
     assert [(m["type"], m.get("code")) for m in sent] == [("websocket.close", 1008)]
-    assert inner.calls == [("lifespan", None)]
+    assert inner.calls == [("websocket", "/v1/realtime"), ("lifespan", None)]

@@ -17,8 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from delta_sync import Receiver, verify_bucket
+from delta_sync import Receiver, expected_shapes_of, module_weight_loader, verify_bucket
+from delta_sync.errors import DeltaSyncError
 from delta_sync.integrity import model_checksum, tensor_checksum
+from delta_sync.replica.shared import NodeStore
+
+from conftest import PublishedRun, TwoTower
 
 pytestmark = pytest.mark.slow
 
@@ -115,3 +119,67 @@ def test_killed_at_every_operation_of_a_resume(tmp_path, completed_a, expected):
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         list(pool.map(case, range(1, operations + 1)))
+
+
+# -- the node snapshot's own writes ---------------------------------------------------------
+
+SNAPSHOT_WRITER = Path(__file__).parent / "crash" / "node_snapshot_writer.py"
+
+
+def test_a_replica_killed_at_every_write_of_the_node_snapshot_recovers(tmp_path):
+    """A replica SIGKILLed at each write to the node snapshot (undo records, the state, the
+    tensors, an anchor's start): a fresh replica on the same snapshot then gets, for every
+    file the dead one applied, that version bit for bit, a no-op, or a `DeltaSyncError`
+    saying why it cannot (never a bare `FileNotFoundError`); and its catch-up reaches the
+    bucket's newest version bit for bit."""
+    writer = _load(SNAPSHOT_WRITER, "node_snapshot_writer")
+    run = PublishedRun(tmp_path / "bucket", versions=7, anchor_every=3, keep_anchors=10)
+    run.close()
+
+    def write(snapshot_dir: Path, crash_at: int | None = None) -> subprocess.CompletedProcess:
+        args = [sys.executable, str(SNAPSHOT_WRITER), str(run.root), str(snapshot_dir)]
+        return subprocess.run(args + ([str(crash_at)] if crash_at else []), capture_output=True, text=True, timeout=300)
+
+    probe = write(tmp_path / "probe")
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    writes = int(probe.stdout.split("WRITES ")[1])
+    assert writes >= 3 * len(writer.FILES)
+
+    def case(crash_at: int) -> None:
+        snapshot_dir = tmp_path / f"snapshot-{crash_at}"
+        killed = write(snapshot_dir, crash_at)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+        replica = TwoTower()
+        receiver = Receiver(
+            load_weights=module_weight_loader(replica),
+            expected_shapes=expected_shapes_of(replica),
+            store=NodeStore(snapshot_dir),
+        )
+        for path in writer.FILES:
+            try:
+                receiver.update(run.root, path)
+            except DeltaSyncError:
+                continue  # refused, with a reason: what the dead replica left cannot give it
+            # What the model now holds (the shared snapshot itself may be ahead of it).
+            served = dict(replica.named_parameters())
+            for name, tensor in run.states[receiver.version].items():
+                assert torch.equal(bits(tensor), bits(served[name].detach())), (crash_at, path, name)
+        receiver.update(run.root)
+        assert receiver.version == 7, crash_at
+        for name, tensor in run.states[7].items():
+            assert torch.equal(bits(tensor), bits(receiver.weights[name])), (crash_at, name)
+            assert torch.equal(bits(tensor), bits(dict(replica.named_parameters())[name].detach())), (crash_at, name)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(case, range(1, writes + 1)))
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().contiguous().view(torch.int16)
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_vllm import EMPTY_SHA256, PROMPT, SERVER_POLL_SECONDS, TinyTrainer, greedy, run_example
 
 from delta_sync import Receiver
 from delta_sync.layout import LATEST, Latest
 from delta_sync.trainer.replicas import ReplicaSet
 
 from helpers import stop_process, wait_for
+from test_vllm import EMPTY_SHA256, PROMPT, SERVER_POLL_SECONDS, TinyTrainer, greedy, run_example
 from vllm_server import VLLMServer, serving
 
 pytestmark = pytest.mark.slow
@@ -77,6 +77,10 @@ def test_a_tensor_parallel_server_follows_grpo_with_one_snapshot(tp_server, buck
         matched[rank].add(name)
     for names in matched.values():
         assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= names
+    # Each worker wrote the deltas' changed elements of its slices in place.
+    log = tp_server.log_tail(10**9)
+    in_place = re.findall(r"\((\S+ pid=\d+)\)[^\n]* wrote [1-9]\d* tensor\(s\) in place", log)
+    assert len(set(in_place)) == 2, log[-3000:]
 
     # Both workers map the one node snapshot; neither holds a copy of any page of it, and
     # their proportional shares add up to one copy.

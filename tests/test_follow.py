@@ -22,7 +22,7 @@ from delta_sync.replica.follow import Follower
 from delta_sync.storage import Bucket, LocalBucket, open_bucket
 from delta_sync.trainer.replicas import ReplicaSet
 
-from conftest import PublishedRun, assert_bit_exact
+from conftest import PublishedRun, assert_bit_exact, bf16_state, resume_in_place
 from fake_vllm import FakeVLLM
 from helpers import WAIT_SECONDS, cli, wait_for
 
@@ -240,7 +240,7 @@ class MemoryBucket(Bucket):
     def upload(self, path, source, *, overwrite=True):
         self.files[path] = bytes(source)
 
-    def download(self, path, dest):
+    def download(self, path, dest, *, max_bytes=None):
         raise NotImplementedError
 
     def read_bytes(self, path):
@@ -328,3 +328,18 @@ def test_cli_follows_until_terminated(stepwise, server):
 def test_cli_refuses_a_bad_interval(tmp_path):
     result = cli("follow", str(tmp_path), "--vllm-url", "http://x", "--interval", "0", timeout=120)
     assert result.returncode == 2 and "--interval" in result.stderr
+
+
+def test_follower_converges_when_a_resumed_run_reaches_the_held_version_number(tmp_path, server):
+    """A run resumed in place from step 4 reaches v6 again: the server holds the abandoned
+    v6 (the pointer's number, other weights). One poll moves it to the new v6; the next
+    finds it in step and sends nothing."""
+    first = PublishedRun(tmp_path, versions=6, anchor_every=3, keep_anchors=10)
+    first.close()
+    with Follower(tmp_path, server.url) as follower:
+        assert follower.poll_once().version == 6
+        model, publisher = resume_in_place(tmp_path, first.publisher.run_id, (5, 6))
+        status = follower.poll_once()
+        assert status.version == 6 and status.model_checksum == publisher.reports[-1].model_checksum
+        assert follower.poll_once() is None
+    assert_bit_exact(bf16_state(model), dict(server.receiver.weights))

@@ -4,24 +4,30 @@ ends in a traceback."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import resource
 import shutil
+import stat
 import subprocess
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from delta_sync import Receiver
+from delta_sync import Receiver, expected_shapes_of, module_weight_loader
 from delta_sync.cli import main
 from delta_sync.errors import BucketError, BucketFileNotFoundError, BucketPathError, DeltaSyncError
 from delta_sync.layout import LATEST, anchor_path, delta_path
 from delta_sync.replica import verify as verify_module
+from delta_sync.replica.shared import NodeStore
 from delta_sync.storage import LocalBucket
+from delta_sync.storage.cache import DownloadCache
 
 import helpers
-from conftest import PublishedRun
+from conftest import PublishedRun, TwoTower
 
 #: The most memory a CLI run on hostile input may take (a read without limit would not fit).
 MEMORY_LIMIT = 4 << 30
@@ -241,3 +247,71 @@ def test_verify_reports_an_unforeseen_error_and_goes_on(bucket, monkeypatch):
 
 def test_errors_are_delta_sync_errors():
     assert issubclass(BucketPathError, DeltaSyncError)
+
+
+# -- file modes: what the trainer writes, replicas (other users) can read ---------------------
+# Every file the bucket, the download cache and the node snapshot create is 0666 less the
+# process umask, every directory 0777 less it; private keys (`delta-sync keygen`) stay 0600.
+
+
+def modes_below(root) -> dict[str, int]:
+    """Permission bits of `root` and of everything below it, by path relative to `root`."""
+    found = {".": stat.S_IMODE(os.stat(root).st_mode)}
+    for path in sorted(root.rglob("*")):
+        found[str(path.relative_to(root))] = stat.S_IMODE(os.lstat(path).st_mode)
+    return found
+
+
+@contextlib.contextmanager
+def process_umask(mask: int) -> Iterator[None]:
+    previous = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_bucket_cache_and_node_snapshot_files_follow_the_umask(tmp_path, umask):
+    with process_umask(umask):
+        run = PublishedRun(tmp_path / "bucket", versions=3, anchor_every=2)
+        run.close()
+        model = TwoTower()
+        receiver = Receiver(
+            store=NodeStore(tmp_path / "snapshots", history=4),
+            cache=DownloadCache(tmp_path / "cache"),
+            load_weights=module_weight_loader(model),
+            expected_shapes=expected_shapes_of(model),
+        )
+        receiver.update(run.root, anchor_path(1))
+        receiver.update(run.root, delta_path(2))  # an undo record in the node snapshot
+        receiver.update(run.root)
+    assert receiver.version == 3
+    file_mode, dir_mode = 0o666 & ~umask, 0o777 & ~umask
+    for area in ("bucket", "cache", "snapshots"):
+        modes = modes_below(tmp_path / area)
+        expected = {name: dir_mode if (tmp_path / area / name).is_dir() else file_mode for name in modes}
+        assert modes == expected, f"{area}: {[(n, oct(m)) for n, m in modes.items() if m != expected[n]]}"
+    # What each area must hold for the check to mean anything.
+    bucket_files = modes_below(tmp_path / "bucket")
+    assert {LATEST, anchor_path(1), delta_path(2), delta_path(3)} <= set(bucket_files)
+    assert any(name.endswith(".safetensors") for name in modes_below(tmp_path / "cache"))
+    snapshot_files = {Path(name).name for name in modes_below(tmp_path / "snapshots")}
+    assert {"weights.bin", "state.json", "lock"} <= snapshot_files
+    assert any(name.endswith(".safetensors") for name in modes_below(tmp_path / "snapshots"))
+
+
+@pytest.mark.parametrize("overwrite", [True, False])
+@pytest.mark.parametrize("source", ["bytes", "file"])
+def test_every_kind_of_upload_to_a_local_bucket_follows_the_umask(tmp_path, overwrite, source):
+    payload = b'{"version": 1}'
+    given = tmp_path / "payload.json"
+    given.write_bytes(payload)
+    with process_umask(0o022):
+        LocalBucket(tmp_path / "bucket").upload("a/b/latest.json", payload if source == "bytes" else given)
+    with process_umask(0o027):
+        LocalBucket(tmp_path / "bucket").upload("a/b/latest.json", payload, overwrite=overwrite)
+    modes = modes_below(tmp_path / "bucket")
+    # The first write made the file and its directories; the second one replaced (or kept) it.
+    assert modes == {".": 0o755, "a": 0o755, "a/b": 0o755, "a/b/latest.json": 0o640 if overwrite else 0o644}
+    assert (tmp_path / "bucket" / "a" / "b" / "latest.json").read_bytes() == payload

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -54,3 +55,14 @@ def test_nested_calls_finish_when_every_pool_thread_is_busy(monkeypatch):
         return parallel_map(lambda x: parallel_map(lambda y: outer * x * y, range(3)), range(3))
 
     assert parallel_map(inner, range(4)) == [[[o * x * y for y in range(3)] for x in range(3)] for o in range(4)]
+
+
+def test_the_thread_count_follows_the_cores_this_process_may_use(monkeypatch):
+    monkeypatch.delenv("DELTA_SYNC_THREADS", raising=False)
+    assert parallel.thread_count() == len(os.sched_getaffinity(0))
+    monkeypatch.setenv("DELTA_SYNC_THREADS", "3")
+    assert parallel.thread_count() == 3
+    for bad in ("0", "-2", "many"):
+        monkeypatch.setenv("DELTA_SYNC_THREADS", bad)
+        with pytest.raises(ValueError, match="DELTA_SYNC_THREADS must be a positive integer"):
+            parallel.thread_count()

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from delta_sync import BF16ChangeDetector, Publisher, read_file
+from delta_sync import read_file
 from delta_sync.errors import (
     ApplyError,
     BaseVersionError,
@@ -21,7 +21,13 @@ from delta_sync.errors import (
 from delta_sync.format import Delta, SparseChange, write_delta
 from delta_sync.layout import anchor_path, delta_path
 
-from conftest import PublishedRun, TwoTower, assert_bit_exact, bf16_state, replica_receiver, train_step
+from conftest import (
+    PublishedRun,
+    assert_bit_exact,
+    bf16_state,
+    replica_receiver,
+    resume_in_place,
+)
 
 
 def test_catch_up_then_follow_file_by_file(run):
@@ -314,16 +320,7 @@ def test_a_replica_on_an_abandoned_version_converges_when_the_resumed_run_reache
     receiver, replica = replica_receiver()
     assert receiver.update(tmp_path).version == 6
     abandoned = receiver.model_checksum
-    torch.manual_seed(5)
-    model = TwoTower()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    publisher = Publisher(
-        tmp_path, BF16ChangeDetector(model, optimizer), run_id=first.publisher.run_id, background=False
-    )
-    for version in (5, 6):
-        train_step(model, optimizer, seed=50 + version)
-        publisher.publish(version)
-    publisher.close()
+    model, publisher = resume_in_place(tmp_path, first.publisher.run_id, (5, 6))
     assert publisher.reports[-1].model_checksum != abandoned
     result = receiver.update(tmp_path)
     assert result.version == 6 and not result.noop

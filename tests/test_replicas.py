@@ -73,6 +73,8 @@ def test_fake_server_answers_like_vllm(run, server):
                 "pending": 0,
                 "updating": False,
                 "prepared_version": None,
+                "pointer_age_s": None,
+                "stale": False,
             }
         ]
 

@@ -105,3 +105,50 @@ def test_bf16_views_that_start_mid_word_are_compared_exactly(offset):
     assert torch.equal(bits(new), bits(current)[moved])
     assert torch.equal(bits(old), bits(snapshot)[moved])
     assert torch.equal(bits(advanced), bits(current))
+
+
+# -- the torch path, many tensors at once --------------------------------------------------
+
+
+def test_the_batched_torch_path_finds_exactly_what_the_compiled_pass_finds():
+    """Real AdamW steps on bf16 parameters and on fp32 masters (with NaN, infinities and
+    -0.0 planted), through both passes from the same snapshot: same positions, values and
+    advanced snapshots, bit for bit; non-contiguous tensors (which only torch takes) too."""
+    from delta_sync.sparse import extract_changes_batched_
+
+    torch.manual_seed(0)
+    for master in (torch.bfloat16, torch.float32):
+        params = [torch.nn.Parameter(torch.randn(shape, dtype=master)) for shape in ((64, 48), (4096,), (3, 5, 7))]
+        optimizer = torch.optim.AdamW(params, lr=3e-3)
+        compiled = [p.detach().to(torch.bfloat16).clone() for p in params]
+        batched = [snap.clone() for snap in compiled]
+        for step in range(3):
+            loss = sum((p.float() ** 2).sum() for p in params)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 2:
+                with torch.no_grad():
+                    params[0].view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
+            expected = [extract_changes_(p.detach(), snap, torch.int32) for p, snap in zip(params, compiled)]
+            found = extract_changes_batched_([(p.detach(), snap, torch.int32) for p, snap in zip(params, batched)])
+            for want, got, a, b in zip(expected, found, compiled, batched):
+                assert want is not None
+                if want[0].numel() == 0:
+                    assert got is None
+                    continue
+                assert got[0].dtype == torch.int32 and torch.equal(want[0], got[0])
+                assert torch.equal(want[1].view(torch.int16), got[1].view(torch.int16))
+                assert torch.equal(want[2].view(torch.int16), got[2].view(torch.int16))
+                assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    # A transposed view: the compiled pass declines it, the batched one compares it in order.
+    current = torch.randn(32, 16, dtype=torch.bfloat16).t()
+    snapshot = current.contiguous().clone()
+    current[3, 5] = 1.5
+    assert extract_changes_(current, snapshot) is None
+    (positions, new, old), none = extract_changes_batched_(
+        [(current, snapshot, torch.int64), (torch.zeros(8), torch.zeros(8, dtype=torch.bfloat16), torch.int32)]
+    )
+    assert none is None and positions.tolist() == [3 * 32 + 5] and new.tolist() == [1.5]
+    assert snapshot[3, 5] == 1.5 and old.item() != 1.5
+    assert extract_changes_batched_([]) == []

@@ -28,6 +28,7 @@ def grpo_trainer(
     learning_rate: float = 2e-5,
     model=None,
     tokenizer=None,
+    peft_config=None,
     **config_overrides,
 ):
     from datasets import Dataset
@@ -60,6 +61,7 @@ def grpo_trainer(
         train_dataset=Dataset.from_dict({"prompt": PROMPTS * 8}),
         processing_class=tokenizer,
         callbacks=callbacks,
+        peft_config=peft_config,
     )
 
 

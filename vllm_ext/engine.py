@@ -50,6 +50,7 @@ from delta_sync.errors import DeltaSyncError
 from delta_sync.replica.prefetch import Prefetcher
 from delta_sync.replica.receiver import Receiver, WeightPatch
 from delta_sync.replica.shared import NodeStore
+from delta_sync.replica.staging import stage_patches
 from delta_sync.storage.cache import default_cache_dir
 
 from .logs import route_delta_sync_logs
@@ -127,6 +128,9 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
         )
         self.prefetcher = make_prefetcher(self.receiver, allowed or [])
         self.loader = ModelLoader(model, self.model_config)
+        from .worker import end_sessions_whose_finish_fails  # the worker module imports this one
+
+        end_sessions_whose_finish_fails()
 
     @property
     def updating(self) -> bool:
@@ -243,6 +247,8 @@ class ModelLoader:
     lifecycle. Reloaded whole: parameters with no runtime tensor of their own (fused qkv and
     gate_up shards), the linear layers the CPU backend prepacks (their `weight` is empty),
     and any patch whose new values hold a NaN, which the patch loader reads as "unchanged".
+    A layer the CPU backend computes with a packed copy of a `weight` it keeps (`lm_head`)
+    is patched in place and then packed again from it.
 
     Args:
         model: The served model.
@@ -253,6 +259,8 @@ class ModelLoader:
         self.model = model
         self.model_config = model_config
         self._in_place: set[str] | None = None
+        self._patch_device: torch.device | None = None
+        self._repacked: dict[str, torch.nn.Module] = {}
 
     def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Reload `weights` whole (fused shards already completed by `load_together`)."""
@@ -280,31 +288,57 @@ class ModelLoader:
         if whole:
             self(whole)
         if sparse:
-            from vllm.model_executor.model_loader.checkpoint_weight_patch import (
-                CheckpointWeightPatch,
-                load_checkpoint_weight_patches,
-            )
-
-            load_checkpoint_weight_patches(
-                self.model,
-                [
-                    CheckpointWeightPatch(
-                        name=name,
-                        shape=tuple(patch.tensor.shape),
-                        dtype=patch.tensor.dtype,
-                        values=values,
-                        indices=patch.positions,
-                    )
-                    for name, (patch, values) in sparse.items()
-                ],
-                validate_unique_indices=False,  # positions are unique and sorted by construction
-            )
+            self._write_in_place(sparse)
         logger.info(
             "delta-sync: wrote %d tensor(s) in place (%d changed elements), reloaded %d whole",
             len(sparse),
             sum(values.numel() for _, values in sparse.values()),
             len(whole),
         )
+
+    def _write_in_place(self, sparse: dict[str, tuple[WeightPatch, torch.Tensor]]) -> None:
+        """Hand the patches to vLLM's checkpoint patch loader; on a CUDA model their
+        positions and values cross in two pinned buffers, and the load ends with one
+        synchronisation (so that a failed write fails this call, which rolls back)."""
+        from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+            CheckpointWeightPatch,
+            load_checkpoint_weight_patches,
+        )
+
+        changes = {name: (patch.positions, values) for name, (patch, values) in sparse.items()}
+        device = self.patch_device()
+        if device is not None:
+            changes = {
+                name: (staged.positions, staged.values) for name, staged in stage_patches(changes, device).items()
+            }
+        load_checkpoint_weight_patches(
+            self.model,
+            [
+                CheckpointWeightPatch(
+                    name=name,
+                    shape=tuple(patch.tensor.shape),
+                    dtype=patch.tensor.dtype,
+                    values=changes[name][1],
+                    indices=changes[name][0],
+                )
+                for name, (patch, _) in sparse.items()
+            ],
+            validate_unique_indices=False,  # positions are unique and sorted by construction
+        )
+        repacked = [module for name, module in self._repacked.items() if name in sparse]
+        if repacked:
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+            for module in repacked:
+                dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+        if device is not None:
+            torch.cuda.current_stream(device).synchronize()
+
+    def patch_device(self) -> torch.device | None:
+        """The CUDA device the in-place parameters live on, or None on any other (the CPU:
+        the patches are used where they are)."""
+        self.in_place_names()
+        return self._patch_device
 
     def in_place_names(self) -> set[str]:
         """Checkpoint names whose changed elements can be written in place: those the
@@ -324,6 +358,22 @@ class ModelLoader:
                 len(self._in_place),
                 ", ".join(sorted(self._in_place)[:4]) + (", ..." if len(self._in_place) > 4 else ""),
             )
+            # The CPU backend computes an embedding-style layer's output (lm_head) with a
+            # copy of `weight` it packed at load time, and keeps `weight` itself: written in
+            # place, such a layer is packed again from it or it would compute with old values.
+            modules = {name: self.model.get_submodule(name.rpartition(".")[0]) for name in self._in_place}
+            self._repacked = {name: module for name, module in modules.items() if hasattr(module, "cpu_linear")}
+            if self._repacked:
+                logger.info(
+                    "delta-sync: %d of them are packed again after an in-place write (the CPU backend "
+                    "computes with a packed copy): %s",
+                    len(self._repacked),
+                    ", ".join(sorted(self._repacked)[:4]) + (", ..." if len(self._repacked) > 4 else ""),
+                )
+            devices = {runtime[name].device for name in self._in_place}
+            if len(devices) == 1 and (device := devices.pop()).type == "cuda":
+                self._patch_device = device
+                logger.info("delta-sync: patches cross to %s in pinned buffers, one copy each per update", device)
         return self._in_place
 
 

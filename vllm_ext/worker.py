@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from delta_sync.control import ReplicaStatus
 
 from .engine import DeltaWeightTransferEngine
 
-__all__ = ["DeltaWorkerExtension"]
+__all__ = ["DeltaWorkerExtension", "end_sessions_whose_finish_fails"]
 
 
 class DeltaWorkerExtension:
@@ -41,19 +43,24 @@ class DeltaWorkerExtension:
             A `delta_sync.control.ReplicaStatus` as a dict: `version`, `anchor_version`,
             `run_id`, `model_checksum` (digest of the held bf16 weights, comparable with the
             trainer's `PublishReport.model_checksum` and `latest.json`), `pending`
-            (parameters applied but not yet loaded, which `/finish_weight_update` loads) and
-            `updating` (a weight-update session is open).
+            (parameters applied but not yet loaded, which `/finish_weight_update` loads),
+            `updating` (a weight-update session is open), `prepared_version`,
+            `pointer_age_s` (how old the bucket's newest `latest.json` it accepted is) and
+            `stale` (older than `DELTA_SYNC_MAX_STALENESS`).
         """
         engine = self._delta_engine()
         receiver = engine.receiver
         pending = receiver.pending
         # What the model serves: while an update is prepared, the snapshot is ahead of it.
         served = receiver.serving
+        freshness = receiver.freshness()
         return ReplicaStatus.of(
             served,
             pending=len(pending.names) if pending is not None else 0,
             updating=engine.updating,
             prepared_version=receiver.prepared_version,
+            pointer_age_s=None if freshness.age is None else round(freshness.age, 3),
+            stale=freshness.stale,
         ).to_dict()
 
     def delta_sync_prefetch(self, bucket: str | None = None) -> dict[str, Any]:
@@ -78,3 +85,45 @@ class DeltaWorkerExtension:
                 '--weight-transfer-config \'{"backend": "delta"}\''
             )
         return engine
+
+
+def end_sessions_whose_finish_fails() -> None:
+    """Make the vLLM worker classes that mix in [`DeltaWorkerExtension`] end their
+    weight-update session when `finish_weight_update` raises, as they do when
+    `update_weights` raises.
+
+    vLLM 0.32's `Worker.finish_weight_update` leaves the session open when the engine's
+    finish raises, so after one failed load (which the receiver has rolled back: the model
+    serves what it served) every later `/start_weight_update` would be refused with "a
+    weight update is already active" until someone posted `/finish_weight_update` again.
+    Called by the engine once vLLM has mixed the extension in; wraps each class once.
+    """
+    for worker_class in _subclasses(DeltaWorkerExtension):
+        finish = getattr(worker_class, "finish_weight_update", None)
+        if finish is None or getattr(finish, "_ends_session_on_failure", False):
+            continue
+        worker_class.finish_weight_update = _ending_session_on_failure(finish)
+
+
+def _ending_session_on_failure(finish: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(finish)
+    def finish_weight_update(worker: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            finish(worker, *args, **kwargs)
+        except BaseException:
+            # What vLLM's own Worker.update_weights does when the engine raises.
+            if getattr(worker, "_weight_update_active", False):
+                worker._weight_update_active = False
+                engine = getattr(worker, "weight_transfer_engine", None)
+                if engine is not None:
+                    engine.reset_weight_update_target()
+            raise
+
+    finish_weight_update._ends_session_on_failure = True
+    return finish_weight_update
+
+
+def _subclasses(cls: type) -> Iterator[type]:
+    for subclass in cls.__subclasses__():
+        yield subclass
+        yield from _subclasses(subclass)

@@ -234,7 +234,7 @@ class ReplicaStatus:
 
     On the wire it is a flat JSON object: `version`, `anchor_version`, `run_id` (null
     before the first update), `epoch` (only when the version has one), `model_checksum`,
-    `pending`, `updating`, `prepared_version`.
+    `pending`, `updating`, `prepared_version`, `pointer_age_s`, `stale`.
 
     Args:
         held: The version the worker serves, or None before its first update.
@@ -246,6 +246,10 @@ class ReplicaStatus:
         prepared_version: The newest version the worker's snapshot holds, ready to load
             without a download (ahead of `version` once a prefetch prepared the next one);
             None before it holds any (or from a server that does not say).
+        pointer_age_s: Seconds since the trainer wrote the newest `latest.json` the worker
+            accepted (None before it read one, or from a server that does not say).
+        stale: The pointer is older than the worker's `DELTA_SYNC_MAX_STALENESS`: the
+            trainer stopped, or the pointer is held back; the worker is not healthy.
     """
 
     held: VersionId | None = None
@@ -253,6 +257,8 @@ class ReplicaStatus:
     pending: int = 0
     updating: bool = False
     prepared_version: int | None = None
+    pointer_age_s: float | None = None
+    stale: bool = False
 
     @classmethod
     def of(
@@ -262,11 +268,12 @@ class ReplicaStatus:
         pending: int = 0,
         updating: bool = False,
         prepared_version: int | None = None,
+        pointer_age_s: float | None = None,
+        stale: bool = False,
     ) -> ReplicaStatus:
         """The status of a worker whose model serves `served`."""
-        if served is None:
-            return cls(pending=pending, updating=updating, prepared_version=prepared_version)
-        return cls(served.id, served.model_checksum, pending, updating, prepared_version)
+        held, checksum = (None, None) if served is None else (served.id, served.model_checksum)
+        return cls(held, checksum, pending, updating, prepared_version, pointer_age_s, stale)
 
     @property
     def version(self) -> int | None:
@@ -287,7 +294,7 @@ class ReplicaStatus:
             if not self.held.epoch:
                 del data["epoch"]
         data.update(model_checksum=self.model_checksum, pending=self.pending, updating=self.updating)
-        data["prepared_version"] = self.prepared_version
+        data.update(prepared_version=self.prepared_version, pointer_age_s=self.pointer_age_s, stale=self.stale)
         return data
 
     @classmethod
@@ -303,12 +310,15 @@ class ReplicaStatus:
         epoch = _status_field(data, "epoch", (str,)) if "epoch" in data else ""
         # Servers before prefetching did not report it.
         prepared = _status_field(data, "prepared_version", (int, type(None))) if "prepared_version" in data else None
+        # Servers before signed freshness did not report these.
+        age = _status_field(data, "pointer_age_s", (int, float, type(None))) if "pointer_age_s" in data else None
+        stale = _status_field(data, "stale", (bool,)) if "stale" in data else False
         held = None
         if values["version"] is not None:
             if values["anchor_version"] is None or values["run_id"] is None:
                 raise ValueError(f"replica status has a version but no anchor_version or run_id: {dict(data)!r}")
             held = VersionId(values["version"], values["anchor_version"], values["run_id"], epoch)
-        return cls(held, values["model_checksum"], values["pending"], values["updating"], prepared)
+        return cls(held, values["model_checksum"], values["pending"], values["updating"], prepared, age, stale)
 
     @property
     def served(self) -> tuple[int | None, str | None, str | None]:

@@ -118,6 +118,12 @@ class ReplicaOptions:
                     f"pause_mode must be 'keep', 'wait', 'abort' or None, got {self.pause_mode!r}"
                 ) from None
 
+    def request_headers(self) -> dict[str, str]:
+        """The headers of every request: the token as `X-Delta-Sync-Token` (`token`, else
+        `$DELTA_SYNC_API_TOKEN`, if set), then `headers`, which win over it."""
+        token = os.environ.get(API_TOKEN_ENV) if self.token is None else self.token
+        return {**({TOKEN_HEADER: token} if token else {}), **(self.headers or {})}
+
 
 def _retry_policy(retry_seconds: float) -> RetryPolicy:
     """The retries of a [`Replica`]: bounded by time alone, as `retry_seconds` always was;
@@ -152,9 +158,7 @@ class Replica:
         self.retry_seconds = options.retry_seconds
         self.retry = _retry_policy(options.retry_seconds)
         self.pause_mode = options.pause_mode
-        token = os.environ.get(API_TOKEN_ENV) if options.token is None else options.token
-        headers = {**({TOKEN_HEADER: token} if token else {}), **(options.headers or {})}
-        self._http = httpx.Client(base_url=self.url, timeout=options.timeout, headers=headers)
+        self._http = httpx.Client(base_url=self.url, timeout=options.timeout, headers=options.request_headers())
 
     def close(self) -> None:
         self._http.close()

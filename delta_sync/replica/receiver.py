@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -40,6 +42,7 @@ from ..errors import (
     DeltaSyncError,
     FormatError,
     IntegrityError,
+    OversizedFileError,
     SignatureError,
     UntrustedBucketError,
 )
@@ -58,15 +61,18 @@ from ..layout import (
 )
 from ..manifest import MAX_MANIFEST_BYTES, Manifest, PartRecord, read_version
 from ..parallel import parallel_map
-from ..signing import SIGNATURE_SUFFIX, VERIFY_KEY_ENV, FileSignature, VerifyKey, file_sha256
+from ..signing import SIGNATURE_SUFFIX, VERIFY_KEY_ENV, FileSignature, VerifyKey, bucket_identity, file_sha256
 from ..sparse import gather
 from ..storage import Bucket, clean_path, open_bucket
 from ..storage.cache import DownloadCache
 from ..version import HeldVersion
+from .pointer import PointerLedger
 from .store import DeltaUndo, PrivateSnapshot, SnapshotMemory, SnapshotStore, changed_between
 
 __all__ = [
+    "MAX_STALENESS_ENV",
     "ApplyResult",
+    "Freshness",
     "LoadWeights",
     "ModuleWeightLoader",
     "PatchingWeightLoader",
@@ -83,6 +89,16 @@ __all__ = [
 logger = logging.getLogger("delta_sync")
 
 LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], object]
+
+#: Seconds after which a replica whose `latest.json` is no newer calls itself stale.
+MAX_STALENESS_ENV = "DELTA_SYNC_MAX_STALENESS"
+# What a file may hold besides its tensors' bytes (safetensors header, metadata), when
+# its size is bounded from the model's shapes rather than a signature.
+_HEADER_ALLOWANCE = 1 << 20
+_HEADER_PER_TENSOR = 4 << 10
+# A delta of every element, with int64 positions: more than any encoding of it takes.
+_DELTA_BYTES_PER_ELEMENT = 8 + 2
+_MAX_SIGNATURE_BYTES = 4096
 
 
 @runtime_checkable
@@ -190,6 +206,26 @@ class ApplyResult:
     @property
     def noop(self) -> bool:
         return not self.applied
+
+
+@dataclass(frozen=True)
+class Freshness:
+    """How fresh the `latest.json` a receiver follows is.
+
+    Args:
+        age: Seconds since the trainer wrote (or refreshed) the newest pointer this
+            receiver accepted; None before it read one, or for a pointer without a time.
+        max_age: The age past which it is stale (`DELTA_SYNC_MAX_STALENESS`), or None.
+    """
+
+    age: float | None
+    max_age: float | None
+
+    @property
+    def stale(self) -> bool:
+        """The pointer is older than `max_age`: the trainer stopped, or someone holds the
+        bucket's pointer back."""
+        return self.max_age is not None and self.age is not None and self.age > self.max_age
 
 
 @dataclass(frozen=True)
@@ -341,6 +377,13 @@ class Receiver:
         store: Where the snapshot lives: a [`PrivateSnapshot`] in this process (the
             default), or the machine's node snapshot (`delta_sync.replica.shared.NodeStore`,
             which needs `expected_shapes`).
+        bucket_id: The name the trainer's signatures give the bucket; default
+            `DELTA_SYNC_BUCKET_ID`, else the bucket's URL (see
+            `delta_sync.signing.bucket_identity`).
+        max_staleness: Seconds after which [`freshness`] calls a pointer no newer than
+            that stale; default `DELTA_SYNC_MAX_STALENESS`, else never.
+        pointers: Where the newest pointer accepted from each bucket is remembered (with
+            a verify key, an older one is refused); default: next to the download cache.
 
     Example:
         ```python
@@ -362,6 +405,9 @@ class Receiver:
         verify_key: VerifyKey | str | os.PathLike | None = None,
         load_together: Callable[[set[str]], set[str]] | None = None,
         store: SnapshotStore | None = None,
+        bucket_id: str | None = None,
+        max_staleness: float | None = None,
+        pointers: PointerLedger | None = None,
     ) -> None:
         self.load_weights = load_weights
         self.load_together = load_together
@@ -380,6 +426,12 @@ class Receiver:
             _warn_unsigned_once()
         self.allowed_buckets = None if allowed_buckets is None else [_normalise_url(u) for u in allowed_buckets]
         self.cache = cache or DownloadCache()
+        self.bucket_id = bucket_id
+        self.max_staleness = max_staleness if max_staleness is not None else _max_staleness_from_env()
+        self.pointers = pointers if pointers is not None else PointerLedger(self.cache.root)
+        # The newest `latest.json` accepted, for its age.
+        self._pointer: Latest | None = None
+        self._warned_stale: int | None = None
         # The version this receiver's model holds, or will once the open update is committed.
         self._held: HeldVersion | None = None
         self._pending: PendingUpdate | None = None
@@ -740,8 +792,40 @@ class Receiver:
             raise RuntimeError(f"an update prepared earlier is still open; commit or abort it before {method}()")
 
     def _read_latest(self, bucket: Bucket) -> Latest:
+        """Read the bucket's pointer; with a verify key, only a pointer signed for this
+        bucket and no older than the newest accepted from it (which it then becomes)."""
         source = f"{bucket.url}/{LATEST}"
-        return Latest.from_json(bucket.read_bytes(LATEST), source=source, verify_key=self.verify_key)
+        identity = self._identity(bucket)
+        latest = Latest.from_json(bucket.read_bytes(LATEST), source=source, verify_key=self.verify_key, bucket=identity)
+        if self.verify_key is not None:
+            try:
+                self.pointers.accept(identity, latest, source=source)
+            except DeltaSyncError as exc:
+                held = self._held
+                logger.error("delta-sync: %s (serving %s)", exc, "nothing" if held is None else held.id)
+                raise
+        self._pointer = latest
+        return latest
+
+    def _identity(self, bucket: Bucket) -> str:
+        return bucket_identity(bucket.url, self.bucket_id)
+
+    def freshness(self) -> Freshness:
+        """How old the pointer this receiver follows is, and whether that is too old
+        (logged once per pointer when it is). Takes no lock: a status request never waits."""
+        pointer = self._pointer
+        result = Freshness(None if pointer is None else pointer.age(), self.max_staleness)
+        if result.stale and pointer is not None and self._warned_stale != pointer.sequence:
+            self._warned_stale = pointer.sequence
+            logger.warning(
+                "delta-sync: the bucket's latest.json (v%d) was written %.0f s ago, more than the %.0f s "
+                "%s allows: the trainer stopped refreshing it, or it is being held back",
+                pointer.version,
+                result.age,
+                self.max_staleness,
+                MAX_STALENESS_ENV,
+            )
+        return result
 
     def _follow(self, latest: Latest) -> None:
         """Notice when what the snapshot holds is not on the bucket's trajectory: another
@@ -846,13 +930,32 @@ class Receiver:
         if not (path.endswith(".safetensors") or is_manifest(path)):
             raise FormatError(f"{source}: not an anchor, delta or manifest (expected .safetensors or .manifest.json)")
         step = None if is_part(path) else parse_step_path(path)
-        local = self.cache.fetch(bucket, path, namespace)
-        self._check_signature(bucket, path, local)
+        # The signature comes first: it says how large the file may be.
+        signature = self._read_signature(bucket, path)
+        if signature is not None:
+            limit = signature.size
+        elif is_manifest(path):
+            limit = MAX_MANIFEST_BYTES
+        else:
+            limit = self._size_limit("anchor" if step is None else step[0])
+        try:
+            local = self.cache.fetch(bucket, path, namespace, max_bytes=limit)
+        except OversizedFileError as exc:
+            if signature is None:
+                raise
+            raise SignatureError(f"{source}: larger than the {limit:,} bytes signed: not the one signed") from exc
+        if signature is not None:
+            signature.check_digest(file_sha256(local))
         if is_manifest(path):
-            if local.stat().st_size > MAX_MANIFEST_BYTES:
-                raise FormatError(f"{source}: {local.stat().st_size} bytes is too large for a manifest")
             manifest = Manifest.from_json(local.read_bytes(), source=source)
-            parts = [(record, self.cache.fetch(bucket, record.path, namespace)) for record in manifest.parts]
+            part_limit = self._size_limit(manifest.kind)
+            parts = [
+                (
+                    record,
+                    self.cache.fetch(bucket, record.path, namespace, max_bytes=self._part_limit(record, part_limit)),
+                )
+                for record in manifest.parts
+            ]
             self._check_parts_signed(manifest, parts, source)
             file = read_version(manifest, parts, source=source, base_url=bucket.url)
         else:
@@ -862,19 +965,52 @@ class Receiver:
             raise FormatError(
                 f"{source}: holds {file.header.kind} v{file.header.version}, but its path names {step[0]} v{step[1]}"
             )
+        if signature is not None and (signature.about.run_id, signature.about.epoch) != (
+            file.header.run_id,
+            file.header.epoch,
+        ):
+            file.close()
+            raise SignatureError(
+                f"{source}: signed for run {signature.about.run_id} (epoch {signature.about.epoch or '-'}), "
+                f"but it holds run {file.header.run_id} (epoch {file.header.epoch or '-'})"
+            )
         return file
 
-    def _check_signature(self, bucket: Bucket, path: str, local: Path) -> None:
+    def _read_signature(self, bucket: Bucket, path: str) -> FileSignature | None:
+        """With a verify key: the file's signature, checked against the key, the path and
+        this bucket (the file's own digest is checked once it is fetched)."""
         if self.verify_key is None:
-            return
+            return None
         source = f"{bucket.url}/{path}{SIGNATURE_SUFFIX}"
-        try:
-            data = bucket.read_bytes(path + SIGNATURE_SUFFIX)
-        except BucketFileNotFoundError:
-            raise SignatureError(
-                f"{bucket.url}/{path}: not signed, but this replica only trusts signed versions"
-            ) from None
-        self.verify_key.verify_file(path, file_sha256(local), FileSignature.from_json(data, source=source))
+        with tempfile.TemporaryDirectory(prefix="delta-sync-sig-") as tmp:
+            local = Path(tmp) / "sig"
+            try:
+                bucket.download(path + SIGNATURE_SUFFIX, local, max_bytes=_MAX_SIGNATURE_BYTES)
+            except BucketFileNotFoundError:
+                raise SignatureError(
+                    f"{bucket.url}/{path}: not signed, but this replica only trusts signed versions"
+                ) from None
+            signature = FileSignature.from_json(local.read_bytes(), source=source)
+        self.verify_key.verify(signature, path=path, bucket=self._identity(bucket))
+        return signature
+
+    def _size_limit(self, kind: str) -> int | None:
+        """The most bytes an unsigned file of `kind` may have: its parameters' full bytes
+        (an anchor), or every element changed (a delta), plus a bounded header; None while
+        the model's shapes are unknown (the first anchor defines them)."""
+        shapes = self.expected_shapes
+        if shapes is None:
+            weights = self._store.weights
+            shapes = {name: tuple(tensor.shape) for name, tensor in weights.items()}
+        if not shapes:
+            return None
+        elements = sum(math.prod(shape) for shape in shapes.values())
+        per_element = 2 if kind == "anchor" else _DELTA_BYTES_PER_ELEMENT
+        return elements * per_element + _HEADER_ALLOWANCE + _HEADER_PER_TENSOR * len(shapes)
+
+    def _part_limit(self, record: PartRecord, unsigned_limit: int | None) -> int | None:
+        # A signed manifest's sizes are the trainer's; an unsigned one's are anybody's.
+        return record.bytes if self.verify_key is not None else unsigned_limit
 
     def _check_parts_signed(self, manifest: Manifest, parts: list[tuple[PartRecord, Path]], source: str) -> None:
         if self.verify_key is None:
@@ -1162,6 +1298,19 @@ def _check_against_latest(header: FileHeader, latest: Latest) -> None:
             f"{header.source}: belongs to run {header.run_id} (epoch {header.epoch or '-'}), but the bucket's "
             f"latest.json is from run {latest.run_id} (epoch {latest.epoch or '-'})"
         )
+
+
+def _max_staleness_from_env() -> float | None:
+    value = os.environ.get(MAX_STALENESS_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"{MAX_STALENESS_ENV} must be a positive number of seconds, got {value!r}")
+    return seconds
 
 
 _warned_unsigned = False

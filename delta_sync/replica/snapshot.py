@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from ..errors import IntegrityError, SnapshotMovedError
 from ..integrity import model_checksum, tensor_checksum
@@ -207,7 +207,8 @@ class NodeSnapshot:
             numel += -(-math.prod(shape) // _ALIGN) * _ALIGN
         self.nbytes = numel * 2
         (self.directory / _UNDO).mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(self.directory / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        # 0666 less the umask, like every file of the snapshot (its tensors, state and undo records).
+        self._lock_fd = os.open(self.directory / _LOCK, os.O_RDWR | os.O_CREAT, 0o666)
         with self._locked(fcntl.LOCK_EX):
             self._map(numel)
         self._state: SnapshotState | None = None
@@ -267,7 +268,8 @@ class NodeSnapshot:
             tensors[f"{name}:values"] = values.contiguous()
         target = self._undo_path(version)
         temporary = target.with_suffix(".tmp")
-        save_file(tensors, str(temporary))
+        # Written here, not by safetensors' save_file, which creates 0600 files: 0666 less the umask.
+        temporary.write_bytes(save(tensors))
         os.replace(temporary, target)
         self._mark_writing(version, "delta")
 
@@ -387,7 +389,7 @@ class NodeSnapshot:
 
     def _map(self, numel: int) -> None:
         """Map the data file, creating it at its size (sparse: no memory until written)."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)  # the umask decides
         try:
             if os.fstat(fd).st_size != self.nbytes:
                 os.ftruncate(fd, self.nbytes)

@@ -21,6 +21,7 @@ from ..errors import (
     BucketFileNotFoundError,
     BucketPathError,
     IncompleteTransfer,
+    OversizedFileError,
 )
 from ..retry import RetryPolicy
 
@@ -105,11 +106,17 @@ class Bucket(ABC):
         """
 
     @abstractmethod
-    def download(self, path: str, dest: os.PathLike) -> None:
+    def download(self, path: str, dest: os.PathLike, *, max_bytes: int | None = None) -> None:
         """Copy the file at `path` to the local file `dest`, which appears only when complete.
+
+        Args:
+            path: The file inside the bucket.
+            dest: The local file to write.
+            max_bytes: Refuse a file larger than this, before copying more of it.
 
         Raises:
             BucketFileNotFoundError: No file at `path`.
+            OversizedFileError: The file is larger than `max_bytes`.
         """
 
     @abstractmethod
@@ -161,6 +168,14 @@ class Bucket(ABC):
     def local_path(self, path: str) -> Path | None:
         """A local filesystem path holding the file, when the bucket is a local directory."""
         return None
+
+    def check_size(self, path: str, size: int, max_bytes: int | None) -> None:
+        """Raise [`OversizedFileError`] when a file of `size` bytes exceeds `max_bytes`."""
+        if max_bytes is not None and size > max_bytes:
+            raise OversizedFileError(
+                f"{self.url}/{path}: {size:,} bytes, more than the {max_bytes:,} its signature or the model's "
+                "shapes allow; refused before downloading it"
+            )
 
     def _not_found(self, path: str | None) -> BucketFileNotFoundError:
         return BucketFileNotFoundError(f"{self.url}: no file {path!r}")
@@ -234,14 +249,14 @@ class RemoteBucket(Bucket):
 
     # -- Bucket interface -----------------------------------------------------------------
 
-    def download(self, path: str, dest: os.PathLike) -> None:
+    def download(self, path: str, dest: os.PathLike, *, max_bytes: int | None = None) -> None:
         key = self._key(path)
 
         with replace_when_complete(dest) as tmp:
 
             def attempt() -> None:
                 tmp.unlink(missing_ok=True)  # what an earlier attempt left
-                expected = self._get(key, tmp, path)
+                expected = self._get(key, tmp, path, max_bytes)
                 got = tmp.stat().st_size if tmp.is_file() else None
                 if got != expected:
                     raise IncompleteTransfer(f"got {got} of {expected} bytes")
@@ -270,16 +285,18 @@ class RemoteBucket(Bucket):
     # -- what a backend supplies ----------------------------------------------------------
 
     @abstractmethod
-    def _get(self, key: str, tmp: Path, path: str) -> int:
+    def _get(self, key: str, tmp: Path, path: str, max_bytes: int | None) -> int:
         """Write the object at `key` to the local file `tmp` (absent when called); return the object's size.
 
         Args:
             key: The object's key, prefix included.
             tmp: The file to write.
             path: The bucket path, for progress bars and errors.
+            max_bytes: Raise [`oversized`] before writing an object larger than this.
 
         Raises:
             BucketFileNotFoundError: No object at `key`.
+            OversizedFileError: The object is larger than `max_bytes`.
         """
 
     @abstractmethod

@@ -69,7 +69,7 @@ class DownloadCache:
         base = self._bucket_dir(bucket)
         return base / (_NAMESPACE_PREFIX + hashlib.sha256(namespace.encode()).hexdigest()[:12]) if namespace else base
 
-    def fetch(self, bucket: Bucket, path: str, namespace: str = "") -> Path:
+    def fetch(self, bucket: Bucket, path: str, namespace: str = "", *, max_bytes: int | None = None) -> Path:
         """Local path of the bucket file `path`, downloading it if the cache lacks it.
 
         The file stays on disk until this cache's next [`prune`] or [`release`], whatever
@@ -79,9 +79,11 @@ class DownloadCache:
             bucket: The bucket holding the file.
             path: The file's path inside the bucket.
             namespace: Which identity of the path is meant (e.g. a run and its start).
+            max_bytes: Refuse a file larger than this, before downloading more of it.
 
         Raises:
             BucketFileNotFoundError: The bucket has no such file.
+            OversizedFileError: It is larger than `max_bytes` (a cached copy too).
             BucketPathError: The path escapes the bucket (or, for a local bucket, is not
                 a regular file inside it).
         """
@@ -104,7 +106,7 @@ class DownloadCache:
                 fd = _lock(lock, fcntl.LOCK_EX)
                 try:
                     if not dest.is_file():
-                        bucket.download(path, dest)
+                        bucket.download(path, dest, max_bytes=max_bytes)
                 except BaseException:
                     lock.unlink(missing_ok=True)  # held exclusively: nobody is left pinning it
                     raise
@@ -112,6 +114,7 @@ class DownloadCache:
                     os.close(fd)
                 continue
             self._pin(dest, fd)
+            bucket.check_size(path, dest.stat().st_size, max_bytes)  # cached under a looser bound
             return dest
 
     def release(self) -> None:
@@ -187,7 +190,7 @@ def _lock(lock: Path, operation: int) -> int:
         BlockingIOError: `LOCK_NB` was given and the lock is held by someone else.
     """
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)  # the umask decides
         try:
             fcntl.flock(fd, operation)
             held = os.fstat(fd)

@@ -151,10 +151,11 @@ class HFBucket(RemoteBucket):
 
     # -- store calls ----------------------------------------------------------------------
 
-    def _get(self, key: str, tmp: Path, path: str) -> int:
+    def _get(self, key: str, tmp: Path, path: str, max_bytes: int | None) -> int:
         info = self._file_info(key)
         if info is None:
             raise self._not_found(path)
+        self.check_size(path, info.size, max_bytes)
         self._fetch(info, tmp)
         return info.size
 

@@ -6,7 +6,7 @@ import errno
 import filecmp
 import os
 import stat
-import tempfile
+import uuid
 from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -89,7 +89,10 @@ class LocalBucket(Bucket):
     def upload(self, path: str, source: bytes | os.PathLike, *, overwrite: bool = True) -> None:
         dest = self._file(path)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+        # A fresh name opened O_EXCL, as mkstemp does, but 0666 less the umask (0644 by
+        # default) rather than mkstemp's 0600, which replicas running as another user cannot read.
+        tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
         try:
             with os.fdopen(fd, "wb") as out:
                 if isinstance(source, (bytes, bytearray, memoryview)):
@@ -114,10 +117,13 @@ class LocalBucket(Bucket):
             Path(tmp).unlink(missing_ok=True)
             raise
 
-    def download(self, path: str, dest: os.PathLike) -> None:
+    def download(self, path: str, dest: os.PathLike, *, max_bytes: int | None = None) -> None:
         with os.fdopen(self._open(path), "rb") as source, replace_when_complete(dest) as tmp:
+            size = os.fstat(source.fileno()).st_size
+            self.check_size(path, size, max_bytes)
             with open(tmp, "wb") as out:
-                copy_with_progress(source, out, f"download {path}", os.fstat(source.fileno()).st_size)
+                copied = copy_with_progress(source, out, f"download {path}", size, limit=max_bytes)
+            self.check_size(path, copied, max_bytes)  # it grew while being copied
 
     def read_bytes(self, path: str) -> bytes:
         """Return the content of the file at `path`.

@@ -62,9 +62,16 @@ def transfer_progress(desc: str, total: int, stream: IO | None = None) -> Iterat
         yield bar.update
 
 
-def copy_with_progress(source: IO[bytes], dest: IO[bytes], desc: str, total: int, chunk: int = 16 << 20) -> None:
-    """Copy one open file to another in chunks, with a [`transfer_progress`] bar."""
+def copy_with_progress(
+    source: IO[bytes], dest: IO[bytes], desc: str, total: int, chunk: int = 16 << 20, *, limit: int | None = None
+) -> int:
+    """Copy one open file to another in chunks, with a [`transfer_progress`] bar; returns
+    the bytes copied (with a `limit`, at most one more than it: enough to tell that the
+    source is larger)."""
+    copied = 0
     with transfer_progress(desc, total) as update:
-        while data := source.read(chunk):
+        while data := source.read(chunk if limit is None else min(chunk, limit + 1 - copied)):
             dest.write(data)
+            copied += len(data)
             update(len(data))
+    return copied

@@ -186,9 +186,12 @@ class S3Bucket(RemoteBucket):
 
     # -- store calls ----------------------------------------------------------------------
 
-    def _get(self, key: str, tmp: Path, path: str) -> int:
+    def _get(self, key: str, tmp: Path, path: str, max_bytes: int | None) -> int:
         response = self._client.get_object(Bucket=self.name, Key=key)
         expected = response["ContentLength"]
+        if max_bytes is not None and expected > max_bytes:
+            response["Body"].close()
+            self.check_size(path, expected, max_bytes)
         with open(tmp, "wb") as out, transfer_progress(f"download {path}", expected) as update:
             for chunk in response["Body"].iter_chunks(_CHUNK):
                 out.write(chunk)

@@ -84,6 +84,11 @@ class DeltaSyncConfig:
             sharded trainers code each rank's block).
         signing_key: Path (or PEM text) of the Ed25519 key that signs every version
             (`delta-sync keygen`); default: `DELTA_SYNC_SIGNING_KEY`, else unsigned.
+        bucket_id: The bucket's name in signed statements (see `PublisherOptions.bucket_id`);
+            default: `DELTA_SYNC_BUCKET_ID`, else the bucket's URL.
+        pointer_refresh: Seconds without a new version after which `latest.json` is
+            written again, so replicas can tell the trainer is alive (see
+            `PublisherOptions.pointer_refresh`); None never.
         vllm_token: The replicas' weight-route token (`vllm_ext.auth` middleware), sent as
             `X-Delta-Sync-Token`; default: `DELTA_SYNC_API_TOKEN`, if set.
         vllm_headers: HTTP headers for every request to the replicas, e.g.
@@ -111,6 +116,8 @@ class DeltaSyncConfig:
     vllm_token: str | None = ReplicaOptions.token
     encoding: Encoding = PublisherOptions.encoding
     signing_key: str | None = None
+    bucket_id: str | None = PublisherOptions.bucket_id
+    pointer_refresh: float | None = PublisherOptions.pointer_refresh
 
     def __post_init__(self) -> None:
         if self.sync_every < 1:
@@ -144,6 +151,11 @@ class DeltaSyncCallback(TrainerCallback):
     At train begin it hooks the real optimizer with a [`BF16ChangeDetector`]; after every
     `sync_every` optimizer steps it publishes the new version through a [`Publisher`];
     at train end it publishes what is left and waits for the uploads.
+
+    A PEFT model (e.g. TRL's trainers given `peft_config=LoraConfig(...)`) is published
+    merged: the base model with the adapter merged in, under the base checkpoint's names
+    (see `delta_sync.trainer.merged`); a model whose names a replica could not load is
+    refused here, before anything is written.
 
     With `vllm_url`, or when TRL's `GRPOTrainer` runs with `use_vllm=True,
     vllm_mode="server"`, every stored version is announced to the vLLM replicas (running
@@ -211,6 +223,10 @@ class DeltaSyncCallback(TrainerCallback):
     def attach_vllm_generation(self, generation: VLLMGeneration) -> None:
         """Called by TRL's vLLM generation backend once it is connected (see `trl_vllm`)."""
         self._vllm_generation = generation
+
+    def vllm_request_headers(self) -> dict[str, str]:
+        """What TRL's own vLLM client sends too (see `trl_vllm`): the token and `vllm_headers`."""
+        return self.config.replica_options.request_headers()
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         if _uses_vllm_server(args):

@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..errors import UnservableModelError
 from ..format import SparseChange, index_dtype
 from ..parallel import parallel_map
-from ..sparse import changed_positions, extract_changes_, gather, scatter_
+from ..sparse import extract_changes_, extract_changes_batched_
 from ..version import sparsity
+from .merged import MergedWeights, check_checkpoint_names, merged_weights
 from .sharding import ModelLayout, describe_model, local_tensor
 
 __all__ = ["BF16ChangeDetector", "ChangeSet", "canonical_name", "inner_optimizer"]
@@ -110,6 +112,11 @@ class BF16ChangeDetector:
     cannot be hooked per parameter: with them every parameter is compared at each
     [`changes`] call and the caller counts steps with [`record_step`].
 
+    A PEFT model is tracked as it is served (see `delta_sync.trainer.merged`): under the
+    base checkpoint's names, each LoRA-adapted weight as `peft`'s `merge_and_unload()`
+    would leave it, and a step that touches an adapter marks its merged weight. A
+    transformers model whose names are not its checkpoint's is refused.
+
     Memory: the snapshot (2 bytes per element this rank holds) plus, while [`changes`]
     runs, the changed elements (CPU tensors are compared in one compiled pass with no
     full-size temporary; others through one parameter's mask and bf16 copy at a time).
@@ -125,6 +132,9 @@ class BF16ChangeDetector:
     Raises:
         UnsupportedLayoutError: The model's layout cannot be published exactly (FSDP1,
             unsupported `DTensor` placements, ZeRO-3 offloaded to NVMe, ...).
+        UnservableModelError: Its parameter names are not its checkpoint's (an unknown
+            wrapper), or it is a PEFT model merged mode cannot publish exactly (see
+            `delta_sync.trainer.merged.MergedWeights`), or a sharded PEFT model.
 
     Example:
         ```python
@@ -150,10 +160,19 @@ class BF16ChangeDetector:
         self._snapshot_device = None if snapshot_device is None else torch.device(snapshot_device)
         self._params: dict[str, nn.Parameter] = {}
         self._names: dict[int, str] = {}
+        #: The served view of a PEFT model (None for any other model).
+        self.merged: MergedWeights | None = merged_weights(model)
         self._index_names(strict=self.optimizer is not None)
+        check_checkpoint_names(self._params, model if self.merged is None else self.merged.root)
         self.layout = layout or describe_model(self._params.items(), model)
+        if self.merged is not None and self.layout.sharded:
+            # Each rank would need the whole adapter and base block to merge its block.
+            raise UnservableModelError(
+                "a sharded PEFT model (FSDP2, DeepSpeed ZeRO-3) cannot be published in merged mode yet: "
+                "train it with DDP or ZeRO-1/2, or merge the adapter before training"
+            )
         self._shards = self.layout.shards
-        self._snapshot = {name: self._bf16_copy(self._params[name]) for name in self._shards}
+        self._snapshot = {name: self._bf16_copy(self._value(name)) for name in self._shards}
         self._touched: set[str] = set()
         self._steps = 0
         #: Held while the snapshot is read or written; a background anchor writer holds it
@@ -167,7 +186,8 @@ class BF16ChangeDetector:
             ]
 
     def named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
-        """`(checkpoint name, parameter)` for every parameter of the model."""
+        """`(checkpoint name, parameter)` for every parameter of the model (of a PEFT model:
+        every served weight, an adapted one as its base layer's weight, whose shape it has)."""
         return self._params.items()
 
     @property
@@ -178,14 +198,18 @@ class BF16ChangeDetector:
     # -- names -------------------------------------------------------------------------
 
     def _index_names(self, *, strict: bool) -> None:
-        params: dict[str, nn.Parameter] = {}
-        for raw_name, param in self.model.named_parameters():
-            name = canonical_name(raw_name)
-            if name in params and params[name] is not param:
-                raise ValueError(f"two parameters map to the checkpoint name {name!r}")
-            params[name] = param
-        self._params = params
-        self._names = {id(param): name for name, param in params.items()}
+        if self.merged is not None:
+            # LoRA parameters map to the served weight they change; base weights to theirs.
+            self._params, self._names = dict(self.merged.parameters), dict(self.merged.owners)
+        else:
+            params: dict[str, nn.Parameter] = {}
+            for raw_name, param in self.model.named_parameters():
+                name = canonical_name(raw_name)
+                if name in params and params[name] is not param:
+                    raise ValueError(f"two parameters map to the checkpoint name {name!r}")
+                params[name] = param
+            self._params = params
+            self._names = {id(param): name for name, param in params.items()}
         if strict:
             unknown = [p for p in self._optimizer_params() if id(p) not in self._names]
             if unknown:
@@ -233,9 +257,13 @@ class BF16ChangeDetector:
         data = local_tensor(param).detach()
         return data.to(device=self._snapshot_device or data.device, dtype=torch.bfloat16, copy=True)
 
+    def _value(self, name: str) -> torch.Tensor:
+        """What is published under `name` now: the parameter, or a PEFT model's merged weight."""
+        return self._params[name] if self.merged is None else self.merged.value(name)
+
     def _current_bf16(self, name: str) -> torch.Tensor:
         snap = self._snapshot[name]
-        return local_tensor(self._params[name]).detach().to(device=snap.device, dtype=torch.bfloat16)
+        return local_tensor(self._value(name)).detach().to(device=snap.device, dtype=torch.bfloat16)
 
     @property
     def steps_pending(self) -> int:
@@ -282,7 +310,13 @@ class BF16ChangeDetector:
         """
         with self.snapshot_lock:
             names = sorted(self._touched)
-            extracted = parallel_map(self._extract, names)
+            found = dict(zip(names, parallel_map(self._extract_compiled, names)))
+            # What the compiled pass does not take (tensors on a GPU, above all) goes through
+            # torch together, with a fixed number of host synchronisations for all of them.
+            rest = [name for name in names if found[name] is None]
+            batch = [(local_tensor(self._value(n)).detach(), self._snapshot[n], self._index_dtype(n)) for n in rest]
+            found.update(zip(rest, extract_changes_batched_(batch)))
+            extracted = [self._change(name, found[name]) for name in names]
             changes, old_values, local_indices = {}, {}, {}
             for name, (change, old, local) in zip(names, extracted):
                 if change is None:
@@ -302,23 +336,33 @@ class BF16ChangeDetector:
             self._steps = 0
             return change_set
 
-    def _extract(self, name: str) -> tuple[SparseChange | None, torch.Tensor | None, torch.Tensor | None]:
-        """Changed elements of one parameter, their old values and (for a block of a
-        sharded parameter) their positions in the block; advances its snapshot."""
-        snap = self._snapshot[name]
+    def _index_dtype(self, name: str) -> torch.dtype:
+        """The positions' dtype while extracting: the checkpoint's for a whole parameter,
+        int64 for a block (mapped to checkpoint positions afterwards)."""
+        shard = self._shards[name]
+        return index_dtype(math.prod(shard.global_shape)) if shard.whole else torch.int64
+
+    def _extract_compiled(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None | bool:
+        """Changed elements of one CPU parameter through the compiled pass, which advances its
+        snapshot at the changes only: `(positions, new, old)`, False when none changed, None
+        when the pass does not apply to it."""
+        found = extract_changes_(
+            local_tensor(self._value(name)).detach(), self._snapshot[name], self._index_dtype(name)
+        )
+        if found is not None and found[0].numel() == 0:
+            return False
+        return found
+
+    def _change(
+        self, name: str, found: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None | bool
+    ) -> tuple[SparseChange | None, torch.Tensor | None, torch.Tensor | None]:
+        """One parameter's change in checkpoint positions, its old values and (for a block of a
+        sharded parameter) its positions in the block."""
+        if not found:
+            return None, None, None
+        local, values, old = found
         shard = self._shards[name]
         dtype = index_dtype(math.prod(shard.global_shape))
-        # CPU tensors: one compiled pass compares, lists and advances at the changes only.
-        found = extract_changes_(local_tensor(self._params[name]).detach(), snap, dtype if shard.whole else torch.int64)
-        if found is None:
-            current = self._current_bf16(name)
-            local = changed_positions(current, snap)
-            values = gather(current, local)
-            found = (local, values, gather(snap, local))
-            scatter_(snap, local, values)
-        local, values, old = found
-        if local.numel() == 0:
-            return None, None, None
         if shard.whole:
             return SparseChange(indices=local.cpu().to(dtype), values=values.cpu()), old.cpu(), None
         indices = shard.global_indices(local.cpu()).to(dtype)

@@ -73,6 +73,14 @@ class PublisherOptions:
             bf16 values, the published TRL format) or [`Encoding.COMPACT`] (entropy-coded
             against the weights replicas hold; several times smaller, see
             `delta_sync.compact`). Its value (`"raw"`, `"compact"`) is accepted too.
+        bucket_id: The bucket's name in signed statements, which replicas check against
+            theirs; default `DELTA_SYNC_BUCKET_ID`, else the bucket's URL. Set it (to the
+            same name on replicas) when they reach the bucket by another URL, e.g. a
+            directory mounted elsewhere.
+        pointer_refresh: With nothing to publish for this many seconds, write
+            `latest.json` again (same version, a newer counter and time), so that replicas
+            can tell a live trainer from a pointer held back (`DELTA_SYNC_MAX_STALENESS` on
+            replicas should be a few times this). None never refreshes. Needs `background`.
 
     Raises:
         ValueError: An option is out of range; the message names it.
@@ -87,8 +95,12 @@ class PublisherOptions:
     overwrite: bool = False
     signing_key: SigningKey | str | os.PathLike | None = None
     encoding: Encoding = Encoding.RAW
+    bucket_id: str | None = None
+    pointer_refresh: float | None = 60.0
 
     def __post_init__(self) -> None:
+        if self.pointer_refresh is not None and not self.pointer_refresh > 0:
+            raise ValueError(f"pointer_refresh must be > 0 seconds or None, got {self.pointer_refresh}")
         if self.anchor_every < 1:
             raise ValueError(f"anchor_every must be >= 1, got {self.anchor_every}")
         if self.anchor_bytes_ratio is not None and self.anchor_bytes_ratio <= 0:
@@ -214,6 +226,7 @@ class Publisher:
             keep_anchors=options.keep_anchors,
             signing_key=self.signing_key,
             resumed_files=resumed_files,
+            bucket_id=options.bucket_id,
         )
         # The training thread's.
         self._last_version: int | None = None
@@ -332,13 +345,34 @@ class Publisher:
     def _run_worker(self) -> None:
         assert self._queue is not None
         while True:
-            job = self._queue.get()
+            try:
+                job = self._queue.get(timeout=self._refresh_due())
+            except queue.Empty:
+                self._refresh_pointer()
+                continue
             try:
                 if job is None:
                     return
                 self._run_job(job)
             finally:
                 self._queue.task_done()
+
+    def _refresh_due(self) -> float | None:
+        """Seconds until the pointer is due a refresh (None: wait for a job however long)."""
+        every, written = self.options.pointer_refresh, self._writer.pointer_written
+        if every is None or written is None or self.rank != 0:
+            return None
+        return max(0.0, written + every - time.monotonic())
+
+    def _refresh_pointer(self) -> None:
+        with self._error_lock:
+            if self._error is not None:
+                return  # the training thread hears of the failure first; the next version points anew
+        try:
+            if self._writer.refresh_pointer():
+                logger.debug("delta-sync: refreshed latest.json (nothing new to publish)")
+        except BaseException as exc:  # refreshing is best effort: the next one, or the next version, retries
+            logger.warning("delta-sync: could not refresh latest.json on %s: %s", self.bucket.url, exc)
 
     def _run_job(self, job: VersionJob) -> None:
         """Store one version and report it; a failure is kept for the training thread."""

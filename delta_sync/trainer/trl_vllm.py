@@ -24,6 +24,12 @@ What this module touches in TRL, and nothing else:
 * The claimed generator's public `sync_weights` is replaced by the owner's
   `sync_vllm_weights`, so TRL's own gating still decides when to sync (just before a
   generation, once per optimizer step) and the owner decides how.
+* The client's public `session` (the `requests.Session` every call but its `/health` probe
+  goes through) gets the owner's `vllm_request_headers()`: the weight-route token of a
+  server guarded by `vllm_ext.auth`, which TRL's own calls then carry too (`/server_info`,
+  which `GRPOTrainer` reads at construction, is guarded). The constructor's two calls,
+  `/health` and `/v1/models`, go out before the headers are set; `vllm_ext.auth` leaves
+  both open.
 
 It was written against TRL 1.16 ([`SUPPORTED_TRL`]); [`claim`] refuses any other version
 rather than patch a method whose body it has not been checked against.
@@ -33,7 +39,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
@@ -67,6 +73,9 @@ class VLLMSyncOwner(Protocol):
     def sync_vllm_weights(self) -> None:
         """Run by TRL in place of `VLLMGeneration.sync_weights`, right before a generation."""
 
+    def vllm_request_headers(self) -> Mapping[str, str]:
+        """Headers for every request of TRL's client to the server (e.g. the token)."""
+
 
 def claim(model: nn.Module, owner: VLLMSyncOwner) -> None:
     """Route the weight sync of the `VLLMGeneration` that TRL builds for `model` to `owner`.
@@ -76,8 +85,9 @@ def claim(model: nn.Module, owner: VLLMSyncOwner) -> None:
 
     Args:
         model: The trainer's model (the object TRL passes to `VLLMGeneration(model=...)`).
-        owner: Gets `attach_vllm_generation(generation)` once connected, and replaces the
-            generator's `sync_weights` with its `sync_vllm_weights()`.
+        owner: Gets `attach_vllm_generation(generation)` once connected, replaces the
+            generator's `sync_weights` with its `sync_vllm_weights()`, and gives the
+            headers of TRL's requests (`vllm_request_headers()`).
 
     Raises:
         ImportError: The installed TRL is not a release this patch supports.
@@ -120,7 +130,7 @@ def _wrap(original: Callable[[VLLMGeneration], None]) -> Callable[[VLLMGeneratio
         owner = _claims.get(generation.model)
         if owner is None or generation.mode != "server":
             return original(generation)
-        _connect_without_communicator(generation)
+        _connect_without_communicator(generation, owner)
         generation.sync_weights = owner.sync_vllm_weights
         owner.attach_vllm_generation(generation)
 
@@ -128,11 +138,14 @@ def _wrap(original: Callable[[VLLMGeneration], None]) -> Callable[[VLLMGeneratio
     return _init_vllm
 
 
-def _connect_without_communicator(generation: VLLMGeneration) -> None:
-    """TRL's server-mode set-up minus `init_communicator`: the HTTP client that generates."""
+def _connect_without_communicator(generation: VLLMGeneration, owner: VLLMSyncOwner) -> None:
+    """TRL's server-mode set-up minus `init_communicator`: the HTTP client that generates,
+    sending the owner's headers with every request after its constructor's."""
     if generation.accelerator.is_main_process:
         base_url = generation.server_base_url or f"http://{generation.server_host}:{generation.server_port}"
-        generation.vllm_client = _generation_client(base_url, generation.group_port, generation.server_timeout)
+        client = _generation_client(base_url, generation.group_port, generation.server_timeout)
+        client.session.headers.update(owner.vllm_request_headers())
+        generation.vllm_client = client
 
 
 def _generation_client(base_url: str, group_port: int, connection_timeout: float) -> VLLMClient:

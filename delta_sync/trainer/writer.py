@@ -43,7 +43,7 @@ from ..layout import (
 )
 from ..manifest import Manifest, PartRecord
 from ..parallel import parallel_map
-from ..signing import SIGNATURE_SUFFIX, SigningKey, file_sha256
+from ..signing import SIGNATURE_SUFFIX, SignedFile, SigningKey, bucket_identity, file_sha256
 from ..storage import Bucket
 from ..version import VersionId, sparsity
 from .detector import BF16ChangeDetector, ChangeSet
@@ -139,6 +139,7 @@ class _Staged:
     kind: str
     local: Path
     stored: _Stored
+    id: VersionId
 
 
 @dataclass
@@ -168,6 +169,8 @@ class VersionWriter:
         signing_key: Signs every file replicas act on, or None.
         resumed_files: Files of this run found in the bucket, to replace from the first
             version stored (see [`claim_prefix`]).
+        bucket_id: The bucket's name in signed statements (see
+            `delta_sync.signing.bucket_identity`).
     """
 
     def __init__(
@@ -182,6 +185,7 @@ class VersionWriter:
         keep_anchors: int,
         signing_key: SigningKey | None,
         resumed_files: list[str],
+        bucket_id: str | None = None,
     ) -> None:
         self.bucket = bucket
         self.detector = detector
@@ -201,6 +205,12 @@ class VersionWriter:
         self._stored_version: int | None = None
         self._anchor_version: int | None = None
         self._epoch_start: int | None = None  # the first version this start stored
+        self.bucket_identity = bucket_identity(bucket.url, bucket_id)
+        # The pointer's counter goes on from the one stored, whoever wrote it.
+        self._sequence = _stored_sequence(bucket) if self.rank == 0 else 0
+        self._pointer: Latest | None = None
+        #: When `latest.json` was last written (time.monotonic()), or None.
+        self.pointer_written: float | None = None
 
     def close(self) -> None:
         """Remove the staging directory."""
@@ -233,15 +243,15 @@ class VersionWriter:
         written = sum(stored.bytes for r in results for stored in (r.delta, r.anchor) if stored is not None)
         if self.rank == 0:
             assert self._anchor_version is not None
-            latest = Latest(
-                id=self._version_id(job.version, self._anchor_version),
-                anchor=self._version_path("anchor", self._anchor_version),
-                delta=delta,
-                model_checksum=model_checksum(self._model_checksums),
-                epoch_start=self._epoch_start or job.version,
-            ).to_json(self.signing_key)
-            self.bucket.upload(LATEST, latest)
-            written += len(latest)
+            written += self._point(
+                Latest(
+                    id=self._version_id(job.version, self._anchor_version),
+                    anchor=self._version_path("anchor", self._anchor_version),
+                    delta=delta,
+                    model_checksum=model_checksum(self._model_checksums),
+                    epoch_start=self._epoch_start or job.version,
+                )
+            )
             if anchor is not None:
                 self._apply_retention()
         self._stored_version = job.version
@@ -431,18 +441,43 @@ class VersionWriter:
         except BaseException:
             local.unlink(missing_ok=True)
             raise
-        return _Staged(kind, local, _Stored(path, size, header.payload_digest, sha256))
+        return _Staged(kind, local, _Stored(path, size, header.payload_digest, sha256), header.id)
 
     def _upload(self, file: _Staged) -> None:
+        # The signature lands first, so that no stored version file is ever unsigned (a
+        # signature alone names nothing replicas act on). A part is signed through its manifest.
+        if file.stored.sha256 is not None and not self.parted:
+            self._upload_signature(file.stored.path, file.stored.sha256, file.stored.bytes, file.id)
         # Version files are written once: a second trainer on the same prefix fails loudly.
         self.bucket.upload(file.stored.path, file.local, overwrite=False)
         file.local.unlink(missing_ok=True)
-        if file.stored.sha256 is not None and not self.parted:  # a part is signed through its manifest
-            self._upload_signature(file.stored.path, file.stored.sha256)
 
-    def _upload_signature(self, path: str, sha256: str) -> None:
+    def _upload_signature(self, path: str, sha256: str, size: int, id: VersionId) -> None:
         assert self.signing_key is not None
-        self.bucket.upload(path + SIGNATURE_SUFFIX, self.signing_key.sign(path, sha256).to_json(), overwrite=False)
+        about = SignedFile(path, sha256, size, self.bucket_identity, id.run_id, id.epoch)
+        # Overwritable: a retry of a version whose file never landed signs it again.
+        self.bucket.upload(path + SIGNATURE_SUFFIX, self.signing_key.sign(about).to_json())
+
+    # -- the pointer -----------------------------------------------------------------------
+
+    def _point(self, latest: Latest) -> int:
+        """Write `latest.json` (rank 0), counted on from the last pointer and timed now; returns its size."""
+        self._sequence = max(self._sequence + 1, time.time_ns() // 1000)
+        latest = replace(latest, sequence=self._sequence, written_at=time.time(), bucket=self.bucket_identity)
+        data = latest.to_json(self.signing_key)
+        self.bucket.upload(LATEST, data)
+        self._pointer = latest
+        self.pointer_written = time.monotonic()
+        return len(data)
+
+    def refresh_pointer(self) -> bool:
+        """Write the last pointer again with a new counter and time, so replicas can tell a
+        live trainer with nothing to publish from a pointer held back (rank 0; returns
+        whether it wrote one)."""
+        if self.rank != 0 or self._pointer is None:
+            return False
+        self._point(self._pointer)
+        return True
 
     # -- the version as a whole ------------------------------------------------------------
 
@@ -498,9 +533,11 @@ class VersionWriter:
             total_elements=self.layout.total_elements,
         )
         data = manifest.to_json()
-        self.bucket.upload(manifest_path(kind, job.version), data, overwrite=False)
         if self.signing_key is not None:
-            self._upload_signature(manifest_path(kind, job.version), hashlib.sha256(data).hexdigest())
+            self._upload_signature(
+                manifest_path(kind, job.version), hashlib.sha256(data).hexdigest(), len(data), manifest.id
+            )
+        self.bucket.upload(manifest_path(kind, job.version), data, overwrite=False)
 
     def _version_path(self, kind: str, version: int) -> str:
         if self.parted:
@@ -548,8 +585,9 @@ class VersionWriter:
         retreat = _newest_complete(self.bucket, kept)
         if retreat is None:
             self.bucket.delete([LATEST])
+            self._pointer = None
         else:
-            self.bucket.upload(LATEST, retreat.to_json(self.signing_key))
+            self._point(retreat)
         self.bucket.delete(stale)
 
 
@@ -596,6 +634,14 @@ def _owner(bucket: Bucket, existing: list[str]) -> str | None:
             except DeltaSyncError:
                 continue
     return None
+
+
+def _stored_sequence(bucket: Bucket) -> int:
+    """The counter of the bucket's `latest.json`, or 0 (none, or unreadable)."""
+    try:
+        return Latest.from_json(bucket.read_bytes(LATEST)).sequence
+    except DeltaSyncError:
+        return 0
 
 
 def _stored_header(bucket: Bucket, path: str) -> Manifest | FileHeader:
