@@ -127,10 +127,14 @@ def test_targets_pass_and_fail_on_their_limits(bench):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(2700)  # the vLLM environment may be built first (minutes, once per clone)
 def test_bench_pause_quick_runs_a_real_server_end_to_end(tmp_path):
+    from vllm_server import vllm_python
+
+    # The vLLM environment the test suite builds (on first use, as on a fresh clone).
+    python = vllm_python()
     result = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--out", str(tmp_path)],
+        [sys.executable, str(BENCH), "--quick", "--out", str(tmp_path), "--vllm-python", str(python)],
         capture_output=True,
         text=True,
         timeout=900,
