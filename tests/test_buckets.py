@@ -16,7 +16,13 @@ import pytest
 import torch
 
 from delta_sync import BF16ChangeDetector, Publisher, open_bucket
-from delta_sync.errors import BucketConflictError, BucketFileNotFoundError, BucketPathError, PublishError
+from delta_sync.errors import (
+    BucketConflictError,
+    BucketFileNotFoundError,
+    BucketPathError,
+    OversizedFileError,
+    PublishError,
+)
 from delta_sync.layout import LATEST, anchor_path, delta_path, step_versions
 from delta_sync.replica.verify import verify_bucket
 from delta_sync.storage.cache import DownloadCache
@@ -149,6 +155,27 @@ def test_a_missing_file_error_names_bucket_and_path(bucket_target, tmp_path):
     # Nothing partial is left behind, neither at the destination nor in the cache.
     assert not (tmp_path / "dest" / "file").exists()
     assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and not p.name.endswith(".lock")] == []
+
+
+def test_a_file_larger_than_allowed_is_refused_before_it_is_copied(bucket_target, tmp_path):
+    """`max_bytes` on every backend: the store's own size is checked before the bytes move."""
+    bucket = open_bucket(bucket_target.url)
+    bucket.upload(delta_path(2), b"x" * 1000)
+    cache = DownloadCache(tmp_path / "cache")
+    for call in (
+        lambda: bucket.download(delta_path(2), tmp_path / "dest" / "file", max_bytes=999),
+        lambda: cache.fetch(bucket, delta_path(2), max_bytes=999),
+    ):
+        with pytest.raises(OversizedFileError, match=re.escape(f"{delta_path(2)}: 1,000 bytes, more than the 999")):
+            call()
+    assert not (tmp_path / "dest" / "file").exists()
+    assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and not p.name.endswith(".lock")] == []
+    bucket.download(delta_path(2), tmp_path / "dest" / "file", max_bytes=1000)  # at the limit: fine
+    assert (tmp_path / "dest" / "file").stat().st_size == 1000
+    # A copy already cached under a looser bound is refused under a tighter one.
+    cache.fetch(bucket, delta_path(2))
+    with pytest.raises(OversizedFileError):
+        cache.fetch(bucket, delta_path(2), max_bytes=10)
 
 
 def test_publish_and_replay_bit_exactly(bucket_target):

@@ -93,8 +93,10 @@ class DownloadCache:
             raise BucketPathError(f"{bucket.url}: {path[:80]!r}... has a name longer than {_MAX_NAME_BYTES} bytes")
         dest = self._namespace_dir(bucket, namespace) / path
         with self._pins_lock:
-            if dest in self._pins:
-                return dest
+            pinned = dest in self._pins
+        if pinned:
+            bucket.check_size(path, dest.stat().st_size, max_bytes)  # fetched before, maybe under a looser bound
+            return dest
         dest.parent.mkdir(parents=True, exist_ok=True)
         lock = _lock_path(dest)
         while True:
@@ -114,7 +116,9 @@ class DownloadCache:
                     os.close(fd)
                 continue
             self._pin(dest, fd)
-            bucket.check_size(path, dest.stat().st_size, max_bytes)  # cached under a looser bound
+            bucket.check_size(
+                path, dest.stat().st_size, max_bytes
+            )  # cached by another process, maybe under a looser bound
             return dest
 
     def release(self) -> None:
