@@ -60,6 +60,10 @@ def inner_optimizer(optimizer: object) -> torch.optim.Optimizer | None:
     return optimizers[-1]
 
 
+#: What extracting one parameter's changes gives: positions, new values, old values.
+_Found = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 @dataclass
 class ChangeSet:
     """The bf16 elements that changed since the previous `BF16ChangeDetector.changes()` call.
@@ -310,12 +314,15 @@ class BF16ChangeDetector:
         """
         with self.snapshot_lock:
             names = sorted(self._touched)
-            found = dict(zip(names, parallel_map(self._extract_compiled, names)))
+            found, declined = {}, {}
+            for name, (result, current) in zip(names, parallel_map(self._extract_compiled, names)):
+                found[name] = result
+                if current is not None:
+                    declined[name] = current
             # What the compiled pass does not take (tensors on a GPU, above all) goes through
             # torch together, with a fixed number of host synchronisations for all of them.
-            rest = [name for name in names if found[name] is None]
-            batch = [(local_tensor(self._value(n)).detach(), self._snapshot[n], self._index_dtype(n)) for n in rest]
-            found.update(zip(rest, extract_changes_batched_(batch)))
+            batch = [(current, self._snapshot[n], self._index_dtype(n)) for n, current in declined.items()]
+            found.update(zip(declined, extract_changes_batched_(batch)))
             extracted = [self._change(name, found[name]) for name in names]
             changes, old_values, local_indices = {}, {}, {}
             for name, (change, old, local) in zip(names, extracted):
@@ -342,23 +349,21 @@ class BF16ChangeDetector:
         shard = self._shards[name]
         return index_dtype(math.prod(shard.global_shape)) if shard.whole else torch.int64
 
-    def _extract_compiled(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None | bool:
+    def _extract_compiled(self, name: str) -> tuple[_Found | None, torch.Tensor | None]:
         """Changed elements of one CPU parameter through the compiled pass, which advances its
-        snapshot at the changes only: `(positions, new, old)`, False when none changed, None
-        when the pass does not apply to it."""
-        found = extract_changes_(
-            local_tensor(self._value(name)).detach(), self._snapshot[name], self._index_dtype(name)
-        )
-        if found is not None and found[0].numel() == 0:
-            return False
-        return found
+        snapshot at the changes only: `((positions, new, old), None)`; or `(None, current)`
+        when the pass does not apply to it, with the weights it read (computed once: a PEFT
+        model's merged weight costs a matrix product)."""
+        current = local_tensor(self._value(name)).detach()
+        found = extract_changes_(current, self._snapshot[name], self._index_dtype(name))
+        return (found, None) if found is not None else (None, current)
 
     def _change(
-        self, name: str, found: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None | bool
+        self, name: str, found: _Found | None
     ) -> tuple[SparseChange | None, torch.Tensor | None, torch.Tensor | None]:
         """One parameter's change in checkpoint positions, its old values and (for a block of a
         sharded parameter) its positions in the block."""
-        if not found:
+        if found is None or found[0].numel() == 0:
             return None, None, None
         local, values, old = found
         shard = self._shards[name]
