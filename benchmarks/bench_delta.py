@@ -57,8 +57,10 @@ import functools
 import hashlib
 import json
 import math
+import os
 import platform
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -438,6 +440,9 @@ def measure_step(step, detector, trl, replica, replica_checksums, trainer_checks
     raw_load_s, _ = timed(lambda: load_bytes(raw_blob), repeat=REPEAT)
     trainer = {"raw": detect_s + raw_s, "compact": detect_s + compact_s + serialize_s}
     replica_times = {"raw": raw_load_s + apply_verify_s, "compact": apply_s}
+    # CPU time of one sync per format, trainer and replica together: what the link speed trades against.
+    cpu = {fmt: trainer[fmt] + replica_times[fmt] for fmt in ("raw", "compact")}
+    cpu.update({peer: encode_s + decode_s + apply_verify_s for peer, (encode_s, decode_s) in peer_times.items()})
     sync = {}
     for link, rate in BANDWIDTHS.items():
         sync[link] = {"full_bf16": 2 * clone_s + 2 * (2 * numel) / rate}
@@ -474,6 +479,7 @@ def measure_step(step, detector, trl, replica, replica_checksums, trainer_checks
         "decode_ns_per_changed": 1e9 * decode_s / max(changed, 1),
         "decode_ns_per_element": 1e9 * decode_s / numel,
         "sync_seconds": sync,
+        "cpu_seconds": cpu,
     }
 
 
@@ -510,7 +516,24 @@ def summarize(rows: list[dict], numel: int) -> dict:
             link: {fmt: median(r["sync_seconds"][link][fmt] for r in rows) for fmt in rows[0]["sync_seconds"][link]}
             for link in BANDWIDTHS
         },
+        "break_even_vs_raw_mbps": break_even_mbps(rows, "raw"),
+        "break_even_vs_best_peer_mbps": break_even_mbps(rows, best_peer),
     }
+
+
+def break_even_mbps(rows: list[dict], other: str) -> float | None:
+    """The link speed per replica (Mbit/s) below which a compact sync of the stream's steps
+    is faster end to end than one in format `other`: trainer CPU + upload + download +
+    replica CPU, summed over the steps. None where compact is faster at every speed (it
+    is smaller and costs no more CPU); 0 where it never is."""
+    saved_bytes = sum(r["bytes"][other] - r["bytes"]["compact"] for r in rows)
+    extra_cpu = sum(r["cpu_seconds"]["compact"] - r["cpu_seconds"][other] for r in rows)
+    if saved_bytes <= 0:
+        return 0.0
+    if extra_cpu <= 0:
+        return None
+    # compact wins while extra_cpu < 2 * saved_bytes / rate (the bytes go up and come down).
+    return 2 * saved_bytes / extra_cpu * 8 / 1e6
 
 
 # -- verify cost follows the changed count --------------------------------------------------------
@@ -587,6 +610,7 @@ def codec_speed(quick: bool, repeat: int = 5) -> dict:
         assert torch.equal(decoded[name].values.view(torch.int16), change.values.view(torch.int16)), name
     size = payload_bytes(entries)
     out = {"tensors": count, "numel": numel, "changed": changed, "bytes_per_changed": size / changed}
+    out["gil_check"] = gil_check(lambda: encode_changes(changes, previous), encode_wall)
     for what, wall, cpu in (
         ("clone", clone_wall, clone_cpu),
         ("encode", encode_wall, encode_cpu),
@@ -602,6 +626,46 @@ def codec_speed(quick: bool, repeat: int = 5) -> dict:
             "wall_x_clone": wall / clone_wall,
         }
     return out
+
+
+def gil_check(encode: Callable[[], object], encode_seconds: float) -> dict:
+    """How far a Python thread gets while `encode` runs on another: the training loop's
+    stand-in (on a GPU trainer, the thread that launches kernels).
+
+    The main thread counts loop iterations, first alone for about as long as the encode
+    takes, then while a background thread runs the encode: `progress` is the second pace
+    over the first. Well below 1 means the encode holds the GIL (or, with fewer cores than
+    threads, the CPU): the codec's compiled passes release it, its Python glue does not
+    (and waits for the counting thread's GIL switch interval, which slows the encode).
+    """
+
+    def count_until(done: threading.Event) -> tuple[int, float]:
+        start, counted = time.perf_counter(), 0
+        while not done.is_set():  # the same loop alone and during the encode
+            counted += 1
+        return counted, time.perf_counter() - start
+
+    alone_done, encode_done = threading.Event(), threading.Event()
+    timer = threading.Timer(max(encode_seconds, 0.05), alone_done.set)
+    timer.start()
+    alone, alone_s = count_until(alone_done)
+
+    def background() -> None:
+        try:
+            encode()
+        finally:
+            encode_done.set()
+
+    worker = threading.Thread(target=background)
+    worker.start()
+    during, during_s = count_until(encode_done)
+    worker.join()
+    return {
+        "progress": (during / during_s) / (alone / alone_s),
+        "encode_seconds": during_s,
+        "encode_alone_seconds": encode_seconds,
+        "cpus": os.cpu_count(),
+    }
 
 
 # -- report -------------------------------------------------------------------------------------
@@ -635,6 +699,14 @@ def print_table(results: dict) -> None:
             f"{s['decode_ns_per_changed']:>10.0f} {s['decode_ns_per_element']:>8.2f}"
         )
     print()
+    print("compact is faster end to end (trainer + transfer + replica) below, per replica:")
+    for name, variant in results["variants"].items():
+        s = variant["summary"]
+        print(
+            f"{name:<14} vs raw {_mbps(s['break_even_vs_raw_mbps'])}, "
+            f"vs {s['best_peer_name']} {_mbps(s['break_even_vs_best_peer_mbps'])}"
+        )
+    print()
     print("sync seconds per step (encode + upload + download + apply), medians")
     for name, variant in results["variants"].items():
         for link, table in variant["summary"]["sync_seconds"].items():
@@ -653,6 +725,13 @@ def print_table(results: dict) -> None:
                 f"{row['wall_ns_per_element']:5.2f} ns/element {row['wall_ns_per_changed']:6.0f} ns/changed; "
                 f"CPU {row['cpu_ns_per_element']:5.2f} ns/element {row['cpu_ns_per_changed']:6.0f} ns/changed"
             )
+    gil = results.get("gil_check")
+    if gil:
+        print(
+            f"  a Python thread counting during a background encode: {gil['progress']:.0%} of its pace alone "
+            f"(the encode took {1e3 * gil['encode_seconds']:.1f} ms, {1e3 * gil['encode_alone_seconds']:.1f} alone; "
+            f"{gil['cpus']} cores)"
+        )
     if "first_call_seconds" in results:
         print()
         print(
@@ -665,6 +744,10 @@ def print_table(results: dict) -> None:
                 f"verify {row['changed']:,} changes in a {row['numel'] / 1e6:.0f}M-element tensor: "
                 f"{1e3 * row['verify_seconds']:.2f} ms (compact decode {1e3 * row['decode_seconds']:.1f} ms)"
             )
+
+
+def _mbps(value: float | None) -> str:
+    return "at any speed" if value is None else f"{value:,.0f} Mbit/s"
 
 
 def plot(results: dict, path: Path) -> bool:
@@ -751,6 +834,7 @@ def main(argv: list[str] | None = None) -> dict:
     scaling = [1 << 18, 1 << 21] if args.quick else [1 << 22, 1 << 25]
     results["verify_scaling"] = verify_scaling(scaling, changed=1 << 14)
     results["codec_speed"] = codec_speed(args.quick)
+    results["gil_check"] = results["codec_speed"].pop("gil_check")
     print_table(results)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(f"wrote {out / 'results.json'}")

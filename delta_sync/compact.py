@@ -18,12 +18,17 @@ snapshot) and every replica (its held weights) both have:
 * **Values.** The signed difference of the bf16 bit patterns from the previous value (int16
   arithmetic on the raw bits, so NaN, Inf and -0.0 round-trip exactly), mostly one unit in
   the last place. Each group codes it with its own small histogram, because the size of a
-  step in ULPs also follows the exponent. Where a group's changed elements are coded, the
-  gap before each and its value form one symbol of a joint model.
+  step in ULPs also follows the exponent.
 
-Both are coded with `constriction`'s ANS coder, a few calls per group. The passes over
-whole tensors are compiled (numba, cached on disk: the first call in a process loads them in
-about a second, the very first on a machine compiles them in a few). They read 64
+Both are coded with this package's own range ANS coder ([`delta_sync.rans`]: static integer
+frequency tables, 4 interleaved states where a tensor has 16384 changes or more, else 1;
+compiled, and run without the GIL), in one compiled call per tensor to encode and one to
+decode. The tables are not sent: each side builds them from the header with integer
+arithmetic only, so the trainer and every replica build the same ones on any machine (the
+gap model from the group's size and change count, in 31-bit fixed point; the value model
+from the value table's log-scale bytes). The passes over whole tensors are compiled too
+(numba, cached on disk: the first call in a process loads them in about a second, the very
+first on a machine compiles them in a few). They read 64
 elements at a time into one mask per group boundary (the elements whose exponent is at
 least the boundary, a vector compare: [`delta_sync.bitmasks`]), so that counting a group's
 members is a `popcount`: the encoder reads the previous tensor once and takes each change's
@@ -38,13 +43,26 @@ little-endian, is:
 
 | field | size | meaning |
 | --- | --- | --- |
-| version | 1 byte | `2` |
+| version | 1 byte | `3` (version 2, coded with the `constriction` library, is refused with an error naming it) |
 | groups | 1 byte | number of exponent groups `G` (1-8) |
 | boundaries | `G - 1` bytes | first exponent of groups `1..G-1`, strictly ascending |
 | per group: changed | varint | changed elements in the group |
-| per group with changes: value table | 1 + `C` bytes | highest value class `C - 1`, then a log-scale frequency per class |
-| words | varint | number of ANS words that follow |
-| ANS words | rest | uint32 words of the constriction `AnsCoder` |
+| per group with changes: value table | 1 + `C` bytes | highest value class `C - 1`, then a log-scale frequency per class (`round(4 log2(count)) + 1`, 0 for an absent class) |
+| words | varint | number of coder words that follow |
+| coder words | rest | uint32 words of [`delta_sync.rans`]: the final coder states, then the words in decoding order |
+
+The coder's symbols, group after group (those with changes), are (see [`_encode_groups`]):
+
+| symbols | model |
+| --- | --- |
+| per changed element: the top of the gap since the previous one (`gap >> shift`, `64` escapes), then its value class | the group's gap table (65 symbols), its value table (`C` symbols; no class symbol where `C` is 1) |
+| or, where more than half the group changed: the tops of the gaps between the unchanged elements, then the classes of the changed ones | the same tables |
+| the `shift` low bits of every gap, in chunks of at most 16 bits (all first chunks, then all second ones, ...) | raw bits |
+| per escaped top: the bit length less one of `top - 63` (6 bits), then the bits below its leading one (chunked) | raw bits |
+| per wide value (class 16 and up, zigzag code `z`): the bits below the leading one of `z` (chunked) | raw bits |
+
+`shift` is the bit length of the group's mean gap less 3; value class `c < 16` is the zigzag
+code `c` itself (0 never occurs), `c >= 16` a code of bit length `c - 11`.
 
 Decoding validates every count against the tensor's size before allocating anything, so a
 damaged stream raises [`FormatError`] (or, at worst, decodes to weights that the
@@ -66,12 +84,12 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-import constriction
 import numba
 import numpy as np
 import torch
 from numba.cpython.unsafe.numbers import trailing_zeros
 
+from . import rans
 from .bitmasks import LANES, popcount
 from .bitmasks import at_least as at_least_mask
 from .changes import Encoding, SparseChange, index_dtype
@@ -85,7 +103,7 @@ ENCODING = Encoding.COMPACT
 #: Suffix of the one tensor each changed parameter is stored under.
 SUFFIX = ".compact"
 
-_VERSION = 2
+_VERSION = 3
 # Each group boundary costs a pass over the tensor on both sides; 8 groups keep all but ~1%
 # of the gain of one group per exponent on real training streams.
 _MAX_GROUPS = 8
@@ -100,6 +118,8 @@ _CHUNK_BITS = 16
 # information of more would not pay for itself.
 _MIN_GROUPED_NUMEL = 4096
 _MIN_GROUPED_CHANGES = 256
+# Tensors with fewer changes code with one coder state rather than `rans.LANES`.
+_MIN_LANED_CHANGES = 16384
 # At most this many exponent atoms enter the search for group boundaries (coarsened beyond).
 _MAX_ATOMS = 48
 # A group boundary costs a pass over the tensor: it must save more than this many bits per element.
@@ -109,12 +129,6 @@ _GROUP_PENALTY = 1 / 1024
 _SAMPLE_EVERY = 32
 _SAMPLE_RUNS = 16
 _SAMPLE_RUN = 1024
-# Log-scale frequencies: probability of a value class is 2^((q - 1) / 4) for q in 1..255.
-_QUARTER_POWERS = np.array([1.0, 1.189207115002721, 1.4142135623730951, 1.681792830507429])
-
-_Categorical = constriction.stream.model.Categorical
-_UNIFORM = constriction.stream.model.Uniform()
-_UNIFORM_64 = constriction.stream.model.Uniform(64)
 
 
 def entry_names(name: str) -> tuple[str, ...]:
@@ -258,25 +272,14 @@ def _encode_tensor(
     )
     edges = np.array(boundaries, np.int64)
     quantized, sizes, changed = _group_tables(class_counts, edges)
-    tables = [row[:size] if size else None for row, size in zip(quantized, sizes.tolist())]
-    ops: list[_Op] = []
-    if not boundaries:
-        groups = _Groups([bits.size], changed.tolist(), tables)
-        if indices.size:
-            groups.encode(0, ops, indices, classes, zigzag)
-        return _assemble(edges, changed, quantized, sizes, ops)
-    # One pass over the tensor: each change's rank among its group, and the groups' sizes,
-    # with the changes ordered by group (stable).
-    counts = np.zeros(len(boundaries) + 1, np.int64)
-    ranks, classes, zigzag = _rank_changes(bits, edges, indices, old_bits, classes, zigzag, changed, counts)
-    groups = _Groups(counts.tolist(), changed.tolist(), tables)
-    start = 0
-    for group, count in enumerate(groups.changed):
-        if count:
-            chosen = slice(start, start + count)
-            groups.encode(group, ops, ranks[chosen], classes[chosen], zigzag[chosen])
-            start += count
-    return _assemble(edges, changed, quantized, sizes, ops)
+    ranks, counts = indices, np.array([bits.size], np.int64)  # one group: a change's rank is its position
+    if boundaries:
+        # One pass over the tensor: each change's rank among its group, and the groups' sizes,
+        # with the changes ordered by group (stable).
+        counts = np.zeros(len(boundaries) + 1, np.int64)
+        ranks, classes, zigzag = _rank_changes(bits, edges, indices, old_bits, classes, zigzag, changed, counts)
+    words = _encode_groups(ranks.astype(np.int64, copy=False), classes, zigzag, counts, changed, quantized, sizes)
+    return _stream(edges, changed, quantized, sizes, words)
 
 
 def _encoder_inputs(
@@ -454,17 +457,6 @@ def _place(j, group, rank, slots, ranks, classes, zigzag, sorted_classes, sorted
     slots[group] = slot + 1
 
 
-def _assemble(
-    boundaries: np.ndarray, changed: np.ndarray, tables: np.ndarray, sizes: np.ndarray, ops: list[_Op]
-) -> np.ndarray:
-    """The stream: the header (`_group_tables`' `tables`, `sizes` and `changed`), then the ANS
-    words of `ops` (pushed in reverse: ANS is a stack)."""
-    coder = constriction.stream.stack.AnsCoder()
-    for op in reversed(ops):
-        op.encode(coder)
-    return _stream(boundaries, changed, tables, sizes, coder.get_compressed())
-
-
 @numba.njit(nogil=True, cache=True)
 def _stream(boundaries, changed, tables, sizes, words):
     """Header and words as bytes (the layout in the module's docstring)."""
@@ -509,45 +501,33 @@ def _decode_tensor(name: str, entry: torch.Tensor, previous: torch.Tensor, sourc
     reader = _Reader(entry.contiguous().numpy(), where)
     header = _Header.read(reader, numel)
     words = reader.rest_as_words(header.words)
-    try:
-        coder = constriction.stream.stack.AnsCoder(words)
-    except ValueError as exc:
-        raise FormatError(f"{where}: damaged entropy-coded data ({exc})") from None
     boundaries = np.array(header.boundaries, np.int64)
-    counts = _group_counts(prev_bits, boundaries).tolist()
-    for group, (changed, count) in enumerate(zip(header.changed, counts)):
+    counts = _group_counts(prev_bits, boundaries)
+    for group, (changed, count) in enumerate(zip(header.changed, counts.tolist())):
         if changed > count:
             raise FormatError(f"{where}: group {group} claims {changed} changes among {count} elements")
-    try:
-        indices, zigzag = _decode_groups(prev_bits, boundaries, _Groups(counts, header.changed, header.tables), coder)
-    except FormatError as exc:
-        raise FormatError(f"{where}: {exc}") from None
-    if not coder.is_empty():
-        raise FormatError(f"{where}: entropy-coded data does not end where the changes do; the stream is damaged")
+    quantized = np.zeros((len(header.changed), _CLASSES), np.uint8)
+    sizes = np.zeros(len(header.changed), np.int64)
+    for group, table in enumerate(header.tables):
+        if table is not None:
+            quantized[group, : table.size] = table
+            sizes[group] = table.size
+    changed = np.array(header.changed, np.int64)
+    ranks, zigzag, error = _decode_groups(words, counts, changed, quantized, sizes)
+    if error != rans.OK:
+        raise FormatError(f"{where}: {_decode_error(error)}")
+    if counts.size == 1:
+        indices = ranks
+    else:
+        ends = np.cumsum(changed)
+        indices, sources = _select(prev_bits, boundaries, ranks, ends - changed, ends)
+        if indices.size != ranks.size:  # cannot happen: every rank was checked against its group's size
+            raise FormatError(f"{where}: decoded positions fall outside their groups; the stream is damaged")
+        zigzag = zigzag[sources]
     return SparseChange(
         indices=torch.from_numpy(indices.astype(np.int32 if index_dtype(numel) == torch.int32 else np.int64)),
         values=torch.from_numpy(_unzigzag(zigzag, prev_bits[indices])).view(torch.bfloat16),
     )
-
-
-def _decode_groups(
-    prev_bits: np.ndarray, boundaries: np.ndarray, groups: _Groups, coder
-) -> tuple[np.ndarray, np.ndarray]:
-    """`(indices, zigzag)` of all changes, ascending, from the groups' streams."""
-    ranks, zigzags = [], []
-    for group, changed in enumerate(groups.changed):
-        group_ranks, zigzag = (
-            groups.decode(group, coder) if changed else (np.zeros(0, np.int64), np.zeros(0, np.uint16))
-        )
-        ranks.append(group_ranks.astype(np.int64, copy=False))
-        zigzags.append(zigzag)
-    if len(ranks) == 1:
-        return ranks[0], zigzags[0]
-    ends = np.cumsum([r.size for r in ranks])
-    positions, sources = _select(prev_bits, boundaries, np.concatenate(ranks), ends - [r.size for r in ranks], ends)
-    if positions.size != ends[-1]:  # cannot happen: every rank was checked against its group's size
-        raise FormatError("decoded positions fall outside their groups; the stream is damaged")
-    return positions, np.concatenate(zigzags)[sources]
 
 
 @numba.njit(nogil=True, cache=True)
@@ -876,165 +856,234 @@ def _best_split(n, h, starts, ends, ranges, groups, boundary_bits):
 # -- entropy-coded fields --------------------------------------------------------------------
 
 
-@dataclass
-class _Op:
-    """One array of symbols pushed on the ANS stack with one model (or model family)."""
-
-    symbols: np.ndarray
-    model: object
-    params: tuple = ()
-
-    def encode(self, coder) -> None:
-        if self.symbols.size:
-            coder.encode_reverse(self.symbols.astype(np.int32, copy=False), self.model, *self.params)
+def _unzigzag(zigzag: np.ndarray, old_bits: np.ndarray) -> np.ndarray:
+    diff = (zigzag >> 1).view(np.int16) ^ -(zigzag & 1).view(np.int16)
+    return old_bits + diff
 
 
-def _decode(coder, count: int, model, *params) -> np.ndarray:
-    if count == 0:
-        return np.zeros(0, np.int32)
-    try:
-        if params:
-            return coder.decode(model, *params)
-        return coder.decode(model, count)
-    except Exception as exc:  # constriction reports bad data as ValueError, others as its own types
-        raise FormatError(f"damaged entropy-coded data ({exc})") from None
+# Thresholds of the quarter-bit rounding of log2: ceil(2^30 * 2^((2i + 1) / 8)) for i in 0..3.
+_ROUNDING_THRESHOLDS = np.array([1170923762, 1392470869, 1655936265, 1969251188], np.int64)
+# 2^31 * 2^(-j / 4) for j in 0..3, rounded: the weight of a value class a quarter bit apart.
+_QUARTER_WEIGHTS = np.array([2147483648, 1805811301, 1518500250, 1276901417], np.int64)
+# Fixed-point fraction bits of the gap model's arithmetic.
+_FRACTION = 31
 
 
-class _Groups:
-    """The coding of a tensor's changes, group by group; the encoder and the decoder derive
-    it alike from the group sizes, change counts and value tables.
-
-    Per group with changes, the stream holds, in order: one joint symbol (the gap before the
-    change, its value class) per changed element or, where more than half the group
-    changed, the gaps between the unchanged elements and then the classes of the changed
-    ones; the low bits of the gaps; the escaped gaps' lengths and bits; the low bits of the
-    wide values.
-    """
-
-    def __init__(self, counts: list[int], changed: list[int], tables: list[np.ndarray | None]) -> None:
-        self.counts = counts
-        self.changed = changed
-        self.tables = tables
-        self.complement = [2 * k > n for n, k in zip(counts, changed)]
-        # Elements whose gaps are coded: the changed ones, or the unchanged ones.
-        self.coded = [n - k if flip else k for n, k, flip in zip(counts, changed, self.complement)]
-        self.shifts = [_gap_shift(n, c) for n, c in zip(counts, self.coded)]
-        self._gap_probabilities = _geometric(np.array(counts), np.array(self.coded), np.array(self.shifts))
-        self._class_probabilities = _class_probabilities(tables)
-
-    def encode(self, group: int, ops: list[_Op], ranks: np.ndarray, classes: np.ndarray, zigzag: np.ndarray) -> None:
-        """Push the ops of one group's changes: `ranks` among the group, value `classes`, `zigzag` values."""
-        shift, complement, table_size = self.shifts[group], self.complement[group], self.tables[group].size
-        symbols, lows, lengths, raw, sizes = _group_fields(
-            ranks, classes, zigzag, self.counts[group], complement, shift, table_size
-        )
-        if symbols.size:
-            ops.append(_Op(symbols, self._positions_model(group)))
-        if complement and table_size > 1:
-            ops.append(_Op(classes, self._classes_model(group)))
-        if symbols.size:
-            _encode_bits(ops, lows, shift)
-        # The lengths of the escaped tops' excess, then the raw bits of the excess and of the
-        # wide values (one op: the decoder reads them chunk by chunk, in the same order).
-        ops.append(_Op(lengths, _UNIFORM_64))
-        ops.append(_Op(raw, _UNIFORM, (sizes,)))
-
-    def decode(self, group: int, coder) -> tuple[np.ndarray, np.ndarray]:
-        """`(ranks, zigzag)` of one group's changes, mirroring [`encode`]."""
-        tops, classes = self._decode_symbols(group, coder)
-        ranks = self._decode_ranks(group, coder, tops)
-        return ranks, self._decode_values(group, coder, classes)
-
-    def _decode_symbols(self, group: int, coder) -> tuple[np.ndarray, np.ndarray]:
-        """`(tops, classes)`: the high parts of the coded gaps, the value classes of the changes."""
-        table, changed, coded = self.tables[group], self.changed[group], self.coded[group]
-        tops = _decode(coder, coded, self._positions_model(group)) if coded else np.zeros(0, np.int32)
-        if not self.complement[group]:
-            return np.divmod(tops, table.size)
-        classes = _decode(coder, changed, self._classes_model(group)) if table.size > 1 else np.zeros(changed, np.int32)
-        return tops, classes
-
-    def _decode_ranks(self, group: int, coder, tops: np.ndarray) -> np.ndarray:
-        """Ranks of the changed elements among the group, from the tops, low bits and escapes of the gaps."""
-        count, shift = self.counts[group], self.shifts[group]
-        lows = np.zeros(0, np.int64)
-        if tops.size:
-            lows = _decode_bits(coder, tops.size, shift)
-            escaped = tops >= _TOPS
-            if escaped.any():
-                tops = tops.astype(np.int64)
-                lengths = _decode(coder, int(escaped.sum()), _UNIFORM_64).astype(np.int64) + 1
-                if lengths.max() > 48:
-                    raise FormatError(f"an escaped gap of group {group} is longer than 2^48; the stream is damaged")
-                tops[escaped] = _decode_raw(coder, lengths - 1) + (np.int64(1) << (lengths - 1)) + _TOPS - 1
-        ranks = _ranks_of(tops.astype(np.int64, copy=False), lows, shift, count, self.complement[group])
-        if ranks is None:
-            raise FormatError(f"decoded positions run past the end of group {group}; the stream is damaged")
-        return ranks
-
-    def _decode_values(self, group: int, coder, classes: np.ndarray) -> np.ndarray:
-        """Zigzag values from their classes and, for the wide classes, their raw low bits."""
-        zigzag = classes.astype(np.uint16)
-        if self.tables[group].size > _DIRECT_CLASSES:
-            wide = classes >= _DIRECT_CLASSES
-            widths = classes[wide].astype(np.int64) - 12
-            zigzag[wide] = _decode_raw(coder, widths) + (np.int64(1) << widths)
-        return zigzag
-
-    def _positions_model(self, group: int):
-        gaps = self._gap_probabilities[group]
-        if self.complement[group]:
-            return _Categorical(gaps, perfect=False)
-        classes = self._class_probabilities[group, : self.tables[group].size]
-        return _Categorical((gaps[:, None] * classes).reshape(-1), perfect=False)
-
-    def _classes_model(self, group: int):
-        return _Categorical(self._class_probabilities[group, : self.tables[group].size], perfect=False)
+@numba.njit(inline="always")
+def _log_byte(count):
+    """`round(4 log2(count)) + 1` for `count >= 1`, clipped to 255, in integers only: the
+    mantissa of `count`, scaled to [2^30, 2^31), against the quarter-bit rounding thresholds."""
+    exponent = 0
+    while (count >> exponent) > 1:
+        exponent += 1
+    mantissa = count << (30 - exponent) if exponent <= 30 else count >> (exponent - 30)
+    quarter = 0
+    for threshold in _ROUNDING_THRESHOLDS:
+        quarter += mantissa >= threshold
+    return min(4 * exponent + quarter + 1, 255)
 
 
 @numba.njit(nogil=True, cache=True)
-def _group_fields(ranks, classes, zigzag, count, complement, shift, table_size):
-    """Every field one group codes, in one pass: `(symbols, lows, lengths, raw, sizes)`.
+def _group_tables(class_counts, boundaries):
+    """Per exponent group: its value table and its changes, `(quantized, sizes, changed)`.
 
-    `symbols` and `lows` are those of [`_position_symbols`]. Each escaped top's excess is
-    coded as its bit length less one (`lengths`) and the bits below its leading one; each
-    wide value (class 16 and up) as the bits below its leading one. Those bits, the
-    escapes' and then the wide values', are cut into chunks of at most `_CHUNK_BITS` (all
-    first chunks, then all second chunks, ...): `raw` holds the chunks and `sizes` the
-    range of each (`2^bits`).
+    A group's table holds, for each value class up to the highest present (`sizes`), a
+    log-scale frequency `round(4 log2(count)) + 1` clipped to a byte, 0 for an absent class.
     """
-    symbols, lows, excess = _position_symbols(ranks, classes, count, complement, shift, table_size)
-    escaped_widths = np.empty(excess.size, np.int64)  # bit length less one
-    for e in range(excess.size):
-        width, rest = -1, excess[e]
-        while rest:
-            rest >>= 1
-            width += 1
-        escaped_widths[e] = width
-    lengths = escaped_widths.astype(np.int32)
-    escaped_values = excess - (np.int64(1) << escaped_widths)
-    wide = classes >= _DIRECT_CLASSES
-    wide_widths = classes[wide].astype(np.int64) - 12
-    wide_values = zigzag[wide].astype(np.int64) - (np.int64(1) << wide_widths)
-    total = _chunk_count(escaped_widths) + _chunk_count(wide_widths)
-    raw = np.empty(total, np.int32)
-    sizes = np.empty(total, np.int32)
-    filled = _put_chunks(escaped_values, escaped_widths, raw, sizes, 0)
-    _put_chunks(wide_values, wide_widths, raw, sizes, filled)
-    return symbols, lows, lengths, raw, sizes
+    groups = boundaries.size + 1
+    exponents, classes = class_counts.shape
+    group_of = _group_table(boundaries)
+    counts = np.zeros((groups, classes), np.int64)
+    for exponent in range(exponents):
+        for c in range(classes):
+            counts[group_of[exponent], c] += class_counts[exponent, c]
+    quantized = np.zeros((groups, classes), np.uint8)
+    sizes = np.zeros(groups, np.int64)
+    changed = np.zeros(groups, np.int64)
+    for group in range(groups):
+        for c in range(classes):
+            if counts[group, c] > 0:
+                quantized[group, c] = np.uint8(_log_byte(counts[group, c]))
+                sizes[group] = c + 1
+                changed[group] += counts[group, c]
+    return quantized, sizes, changed
+
+
+@numba.njit(nogil=True, cache=True)
+def _class_table(quantized):
+    """The [`rans.cumulative`] table of a group's value classes, from its value table bytes:
+    class `c` weighs `2^((q_c - 1) / 4)` (in integers: relative to the largest, a quarter
+    bit at a time), an absent class (`q_c == 0`) cannot occur."""
+    top = 0
+    for q in quantized:
+        top = max(top, np.int64(q))
+    weights = np.zeros(quantized.size, np.int64)
+    possible = np.zeros(quantized.size, np.bool_)
+    for c in range(quantized.size):
+        if quantized[c]:
+            below = top - np.int64(quantized[c])
+            weights[c] = _QUARTER_WEIGHTS[below % 4] >> (below // 4)
+            possible[c] = True
+    return rans.cumulative(rans.quantize(weights, possible))
+
+
+# The gap table of a group whose every member changed (no gap is coded): one certain symbol.
+_NO_GAPS = np.array([0, 1 << rans.PRECISION], np.int64)
 
 
 @numba.njit(inline="always")
-def _chunk_count(widths):
+def _gap_shift(count, coded):
+    """Low bits of a gap coded raw, for `coded >= 1` marked elements among `count`: the mean
+    gap's bit length less 3 (so the coded top part of a typical gap falls in 4..8)."""
+    mean_gap = (count - coded) // coded
+    length = 0
+    while mean_gap >> length:
+        length += 1
+    return max(0, length - 3)
+
+
+@numba.njit(nogil=True, cache=True)
+def _gap_table(count, coded):
+    """`(table, shift)`: the [`rans.cumulative`] table of `gap >> shift` below `_TOPS` (the
+    last symbol escapes larger ones) for `coded` marked elements among `count`, and `shift`.
+
+    The gaps are geometric: `ratio = 1 - coded / count`, squared `shift` times,
+    `P(top) = ratio^top (1 - ratio)` below `_TOPS`, the rest escapes; computed in
+    31-bit fixed point with integer products only, so that the trainer and every replica
+    build the same table on any machine. `shift` is [`_gap_shift`]'s.
+    """
+    shift = _gap_shift(count, coded)
+    one = np.int64(1) << _FRACTION
+    # ratio = floor(2^31 (count - coded) / count) by long division: count may be 2^33 or more.
+    rest, ratio = count - coded, np.int64(0)
+    for _ in range(_FRACTION):
+        rest <<= 1
+        ratio <<= 1
+        if rest >= count:
+            rest -= count
+            ratio |= 1
+    for _ in range(shift):
+        ratio = (ratio * ratio) >> _FRACTION
+    weights = np.empty(_TOPS + 1, np.int64)
+    power = one
+    for top in range(_TOPS):
+        weights[top] = (power * (one - ratio)) >> _FRACTION
+        power = (power * ratio) >> _FRACTION
+    weights[_TOPS] = power
+    return rans.cumulative(rans.quantize(weights, np.ones(_TOPS + 1, np.bool_))), shift
+
+
+@numba.njit(inline="always")
+def _lanes(changed):
+    """Interleaved coder states of a tensor with `changed` changes per group: each costs 8
+    bytes of stream, so a tensor with few changes codes with one."""
     total = 0
-    for width in widths:
-        total += (width + _CHUNK_BITS - 1) // _CHUNK_BITS
-    return total
+    for k in changed:
+        total += k
+    return rans.LANES if total >= _MIN_LANED_CHANGES else 1
 
 
 @numba.njit(inline="always")
-def _put_chunks(values, widths, raw, sizes, filled):
-    """The low `widths` bits of `values` as chunks, from `filled`: returns where they end."""
+def _put(starts, freqs, scales, at, start, freq, scale):
+    starts[at] = start
+    freqs[at] = freq
+    scales[at] = scale
+    return at + 1
+
+
+@numba.njit(inline="always")
+def _bit_length_less_one(value):
+    width = -1
+    while value:
+        value >>= 1
+        width += 1
+    return width
+
+
+@numba.njit(inline="always")
+def _chunks(width):
+    return (width + _CHUNK_BITS - 1) // _CHUNK_BITS
+
+
+@numba.njit(nogil=True, cache=True)
+def _encode_groups(ranks, classes, zigzag, counts, changed, quantized, sizes):
+    """The ANS words of every group's changes: `ranks` among its group, value `classes` and
+    `zigzag` values, ordered by group (`changed[g]` of group `g`).
+
+    Per group with changes, the symbols are, in order: the top of the gap before each
+    changed element and its value class or, where more than half the group changed, the
+    tops of the gaps between the unchanged elements and then the classes of the changed
+    ones (no class where the group has one value class); the `shift` low bits of the gaps
+    (in chunks of at most `_CHUNK_BITS`: all first chunks, then all second chunks, ...); the
+    escaped tops' excess (`top - _TOPS + 1`) as its bit length less one (6 bits) and then
+    the bits below its leading one (chunked); the bits below the leading one of each wide
+    value (class 16 and up; chunked).
+    """
+    groups = counts.size
+    # Symbols of each group, at most: a top and its low chunks per coded element; a class per
+    # change; per escape (a gap of at least `_TOPS << shift`, so at most `count // (_TOPS <<
+    # shift)` of them) its length and up to 3 chunks; a chunk per wide value.
+    capacity = 0
+    for group in range(groups):
+        k = changed[group]
+        if k:
+            coded = counts[group] - k if 2 * k > counts[group] else k
+            shift = _gap_shift(counts[group], coded) if coded else 0
+            escapes = min(coded, counts[group] // (_TOPS << shift))
+            capacity += coded * (1 + _chunks(shift)) + k + 4 * escapes
+    for c in classes:
+        capacity += c >= _DIRECT_CLASSES
+    starts = np.empty(capacity, np.int32)
+    freqs = np.empty(capacity, np.int32)
+    scales = np.empty(capacity, np.int8)
+    at = 0
+    first = 0
+    for group in range(groups):
+        k = changed[group]
+        if k == 0:
+            continue
+        count = counts[group]
+        complement = 2 * k > count
+        coded = count - k if complement else k
+        group_ranks = ranks[first : first + k]
+        group_classes = classes[first : first + k]
+        group_zigzag = zigzag[first : first + k]
+        first += k
+        values = _class_table(quantized[group, : sizes[group]])
+        with_classes = sizes[group] > 1
+        gaps, shift = _gap_table(count, coded) if coded else (_NO_GAPS, 0)
+        tops, lows, excess = _position_tops(group_ranks, count, complement, shift)
+        if complement:
+            for j in range(coded):
+                at = _put(starts, freqs, scales, at, gaps[tops[j]], gaps[tops[j] + 1] - gaps[tops[j]], rans.PRECISION)
+            if with_classes:
+                for j in range(k):
+                    c = group_classes[j]
+                    at = _put(starts, freqs, scales, at, values[c], values[c + 1] - values[c], rans.PRECISION)
+        else:
+            for j in range(coded):
+                at = _put(starts, freqs, scales, at, gaps[tops[j]], gaps[tops[j] + 1] - gaps[tops[j]], rans.PRECISION)
+                if with_classes:
+                    c = group_classes[j]
+                    at = _put(starts, freqs, scales, at, values[c], values[c + 1] - values[c], rans.PRECISION)
+        for offset in range(0, shift, _CHUNK_BITS):
+            bits = min(shift - offset, _CHUNK_BITS)
+            for j in range(coded):
+                at = _put(starts, freqs, scales, at, (lows[j] >> offset) & ((np.int64(1) << bits) - 1), 1, bits)
+        widths = np.empty(excess.size, np.int64)
+        for e in range(excess.size):
+            widths[e] = _bit_length_less_one(excess[e])
+            at = _put(starts, freqs, scales, at, widths[e], 1, 6)
+        at = _put_chunks(starts, freqs, scales, at, excess, widths)
+        wide = group_classes >= _DIRECT_CLASSES
+        wide_widths = group_classes[wide].astype(np.int64) - 12
+        at = _put_chunks(starts, freqs, scales, at, group_zigzag[wide].astype(np.int64), wide_widths)
+    return rans.encode(starts[:at], freqs[:at], scales[:at], _lanes(changed))
+
+
+@numba.njit(inline="always")
+def _put_chunks(starts, freqs, scales, at, values, widths):
+    """The `widths` bits below the leading one of `values`, as raw chunks: all first chunks, then all second ones, ..."""
     widest = 0
     for width in widths:
         widest = max(widest, width)
@@ -1042,24 +1091,21 @@ def _put_chunks(values, widths, raw, sizes, filled):
         for i in range(values.size):
             if widths[i] > offset:
                 bits = min(widths[i] - offset, _CHUNK_BITS)
-                raw[filled] = np.int32((values[i] >> offset) & ((np.int64(1) << bits) - 1))
-                sizes[filled] = np.int32(1 << bits)
-                filled += 1
-    return filled
+                at = _put(starts, freqs, scales, at, (values[i] >> offset) & ((np.int64(1) << bits) - 1), 1, bits)
+    return at
 
 
 @numba.njit(nogil=True, cache=True)
-def _position_symbols(ranks, classes, count, complement, shift, table_size):
-    """The coded fields of one group's positions, in one pass: `(symbols, lows, excess)`.
+def _position_tops(ranks, count, complement, shift):
+    """The coded fields of one group's positions, in one pass: `(tops, lows, excess)`.
 
     The coded elements are the changed ones (`ranks`, ascending) or, with `complement`, the
     group's other members. For each, the gap since the previous one splits into its top
-    (`gap >> shift`) and its `shift` low bits; a symbol is the top, or `_TOPS` (an escape)
-    with `top - _TOPS + 1` in `excess`, joined with the value class where changed elements
-    are coded.
+    (`gap >> shift`) and its `shift` low bits; a top of `_TOPS` or more is coded as `_TOPS`
+    (an escape) with `top - _TOPS + 1` in `excess`.
     """
     coded = count - ranks.size if complement else ranks.size
-    symbols = np.empty(coded, np.int32)
+    tops = np.empty(coded, np.int64)
     lows = np.empty(coded if shift else 0, np.int64)
     excess = np.empty(coded, np.int64)
     escaped = 0
@@ -1084,130 +1130,175 @@ def _position_symbols(ranks, classes, count, complement, shift, table_size):
             excess[escaped] = top - _TOPS + 1
             escaped += 1
             top = _TOPS
-        symbols[j] = top if complement else top * table_size + classes[j]
-    return symbols, lows, excess[:escaped]
+        tops[j] = top
+    return tops, lows, excess[:escaped]
+
+
+# Error codes of the compiled group decoder, beyond those of `rans`.
+_GAP_TOO_LONG = 101
+_PAST_GROUP = 102
+_GROUP_MESSAGES = {
+    _GAP_TOO_LONG: "an escaped gap is longer than 2^48",
+    _PAST_GROUP: "decoded positions run past the end of their group",
+}
+
+
+def _decode_error(code: int) -> str:
+    if code in _GROUP_MESSAGES:
+        return f"{_GROUP_MESSAGES[code]}; the stream is damaged"
+    return rans.error_message(code)
 
 
 @numba.njit(nogil=True, cache=True)
-def _ranks_of(tops, lows, shift, count, complement):
-    """Ranks among the group of its changed elements, from the coded gaps (`(top << shift) +
-    low` before each coded element), which are the changed elements or, with `complement`,
-    the others; None where they run past the group's `count` members."""
-    coded = np.empty(tops.size, np.int64)
-    position = -1
+def _decode_groups(words, counts, changed, quantized, sizes):
+    """`(ranks, zigzag, error)`: every group's changes (ranks among the group, zigzag values)
+    ordered by group, from the words [`_encode_groups`] codes; `error` a `rans` or group
+    error code (`rans.OK` when the stream checked out to its end)."""
+    total = 0
+    for group in range(counts.size):
+        total += changed[group]
+    ranks = np.empty(total, np.int64)
+    zigzag = np.empty(total, np.uint16)
+    ctx, error = rans.decoder_start(words, _lanes(changed))
+    if error != rans.OK:
+        return ranks, zigzag, error
+    first = 0
+    for group in range(counts.size):
+        k = changed[group]
+        if k == 0:
+            continue
+        error = _decode_group(
+            ctx,
+            words,
+            counts[group],
+            k,
+            quantized[group, : sizes[group]],
+            ranks[first : first + k],
+            zigzag[first : first + k],
+        )
+        if error != rans.OK:
+            return ranks, zigzag, error
+        first += k
+    return ranks, zigzag, rans.decoder_finish(ctx, words)
+
+
+@numba.njit(nogil=True, cache=True)
+def _decode_group(ctx, words, count, k, quantized, ranks, zigzag):
+    """One group's `k` changes among `count` members into `ranks` and `zigzag`, mirroring
+    [`_encode_groups`]: an error code. Every loop is bounded by `count` (checked against the
+    tensor) or `k`, and nothing larger than the group is allocated."""
+    complement = 2 * k > count
+    coded = count - k if complement else k
+    values = _class_table(quantized)
+    with_classes = quantized.size > 1
+    gaps, shift = _gap_table(count, coded) if coded else (_NO_GAPS, 0)
+    if not (rans.valid_table(gaps) and rans.valid_table(values)):  # cannot happen for a header that was read
+        return rans.BAD_TABLE
+    gap_starts = rans.lookup(gaps)
+    value_starts = rans.lookup(values)
+    tops = np.empty(coded, np.int64)
+    classes = np.zeros(k, np.int64)
+    for j in range(coded):
+        symbol = rans.decode_symbol(ctx, words, gaps, gap_starts)
+        if symbol < 0:
+            return -symbol
+        tops[j] = symbol
+        if with_classes and not complement:
+            symbol = rans.decode_symbol(ctx, words, values, value_starts)
+            if symbol < 0:
+                return -symbol
+            classes[j] = symbol
+    if with_classes and complement:
+        for j in range(k):
+            symbol = rans.decode_symbol(ctx, words, values, value_starts)
+            if symbol < 0:
+                return -symbol
+            classes[j] = symbol
+    lows = np.zeros(coded, np.int64)
+    for offset in range(0, shift, _CHUNK_BITS):
+        bits = min(shift - offset, _CHUNK_BITS)
+        for j in range(coded):
+            value = rans.decode_bits(ctx, words, bits)
+            if value < 0:
+                return -value
+            lows[j] |= value << offset
+    escaped = 0
+    for j in range(coded):
+        escaped += tops[j] == _TOPS
+    widths = np.empty(escaped, np.int64)
+    for e in range(escaped):
+        width = rans.decode_bits(ctx, words, 6)
+        if width < 0:
+            return -width
+        if width > 47:
+            return _GAP_TOO_LONG
+        widths[e] = width
+    excess = np.zeros(escaped, np.int64)
+    error = _decode_chunks(ctx, words, widths, excess)
+    if error != rans.OK:
+        return error
+    e = 0
+    for j in range(coded):
+        if tops[j] == _TOPS:
+            tops[j] = excess[e] + _TOPS - 1
+            e += 1
+    wide = classes >= _DIRECT_CLASSES
+    wide_values = np.zeros(wide.sum(), np.int64)
+    error = _decode_chunks(ctx, words, classes[wide] - 12, wide_values)
+    if error != rans.OK:
+        return error
+    w = 0
+    for j in range(k):
+        if wide[j]:
+            zigzag[j] = np.uint16(wide_values[w])
+            w += 1
+        else:
+            zigzag[j] = np.uint16(classes[j])
+    return _ranks_of(tops, lows, shift, count, complement, ranks)
+
+
+@numba.njit(inline="always")
+def _decode_chunks(ctx, words, widths, values):
+    """Values of `widths[i] + 1` bits into `values`: their leading one, and the bits below it
+    read chunk by chunk as [`_put_chunks`] codes them."""
+    widest = 0
+    for width in widths:
+        widest = max(widest, width)
+    for offset in range(0, widest, _CHUNK_BITS):
+        for i in range(widths.size):
+            if widths[i] > offset:
+                value = rans.decode_bits(ctx, words, min(widths[i] - offset, _CHUNK_BITS))
+                if value < 0:
+                    return -value
+                values[i] |= value << offset
+    for i in range(widths.size):
+        values[i] |= np.int64(1) << widths[i]
+    return rans.OK
+
+
+@numba.njit(inline="always")
+def _ranks_of(tops, lows, shift, count, complement, ranks):
+    """Ranks among the group of its changed elements into `ranks`, from the coded gaps
+    (`(top << shift) + low` before each coded element), which are the changed elements or,
+    with `complement`, the others: an error code where they run past the group's `count` members."""
+    position = np.int64(-1)
+    r = 0
     for j in range(tops.size):
         if tops[j] > count >> shift:  # also keeps the shift below from overflowing
-            return None
-        position += (tops[j] << shift) + lows[j] + 1
-        if position >= count:
-            return None
-        coded[j] = position
-    if not complement:
-        return coded
-    others = np.empty(count - coded.size, np.int64)
-    j = 0
-    for member in range(count):
-        if j < coded.size and coded[j] == member:
-            j += 1
+            return _PAST_GROUP
+        low = lows[j] if shift else 0
+        next_position = position + (tops[j] << shift) + low + 1
+        if next_position >= count:
+            return _PAST_GROUP
+        if complement:  # the members between two coded ones are the changed ones
+            for member in range(position + 1, next_position):
+                ranks[r] = member
+                r += 1
         else:
-            others[member - j] = member
-    return others
-
-
-def _gap_shift(count: int, coded: int) -> int:
-    """Low bits of a gap coded raw: the mean gap's bit length less 3 (so the coded top part
-    of a typical gap falls in 4..8)."""
-    return max(0, ((count - coded) // coded).bit_length() - 3) if coded else 0
-
-
-@numba.njit(nogil=True, cache=True)
-def _geometric(counts, coded, shifts):
-    """Per group, the probabilities of `gap >> shift` below `_TOPS` (the last entry escapes
-    larger ones): gaps between `coded` marked elements among `count` are geometric.
-
-    Only exact IEEE operations (division, subtraction, products, one rounding each, none
-    fused) enter the probabilities, so the trainer and every replica build the same models
-    on any machine: `ratio = (1 - coded / count)` squared `shift` times, `ratio^t` by
-    sequential products, times `1 - ratio` below `_TOPS`.
-    """
-    powers = np.empty((counts.size, _TOPS + 1))
-    for group in range(counts.size):
-        ratio = 1.0 - coded[group] / counts[group] if coded[group] else 0.0
-        for _ in range(shifts[group]):
-            ratio *= ratio
-        power = 1.0
-        for top in range(_TOPS):
-            powers[group, top] = power * (1.0 - ratio)
-            power *= ratio
-        powers[group, _TOPS] = power
-    return powers
-
-
-def _encode_bits(ops: list[_Op], values: np.ndarray, width: int) -> None:
-    """The low `width` bits of each value, uniformly, in chunks of up to 16 bits."""
-    for offset in range(0, width, _CHUNK_BITS):
-        bits = min(width - offset, _CHUNK_BITS)
-        chunk = (values >> offset) & ((1 << bits) - 1) if width > _CHUNK_BITS else values
-        ops.append(_Op(chunk, constriction.stream.model.Uniform(1 << bits)))
-
-
-def _decode_bits(coder, count: int, width: int) -> np.ndarray:
-    values = np.zeros(count, np.int64)
-    for offset in range(0, width, _CHUNK_BITS):
-        bits = min(width - offset, _CHUNK_BITS)
-        values |= _decode(coder, count, constriction.stream.model.Uniform(1 << bits)).astype(np.int64) << offset
-    return values
-
-
-def _decode_raw(coder, widths: np.ndarray) -> np.ndarray:
-    values = np.zeros(widths.size, np.int64)
-    for offset in range(0, int(widths.max(initial=0)), _CHUNK_BITS):
-        chosen = widths > offset
-        bits = np.minimum(widths[chosen] - offset, _CHUNK_BITS)
-        chunk = _decode(coder, int(chosen.sum()), _UNIFORM, (np.int64(1) << bits).astype(np.int32))
-        values[chosen] |= chunk.astype(np.int64) << offset
-    return values
-
-
-def _unzigzag(zigzag: np.ndarray, old_bits: np.ndarray) -> np.ndarray:
-    diff = (zigzag >> 1).view(np.int16) ^ -(zigzag & 1).view(np.int16)
-    return old_bits + diff
-
-
-@numba.njit(nogil=True, cache=True)
-def _group_tables(class_counts, boundaries):
-    """Per exponent group: its value table and its changes, `(quantized, sizes, changed)`.
-
-    A group's table holds, for each value class up to the highest present (`sizes`), a
-    log-scale frequency `round(4 log2(count)) + 1` clipped to a byte, 0 for an absent class.
-    """
-    groups = boundaries.size + 1
-    exponents, classes = class_counts.shape
-    group_of = _group_table(boundaries)
-    counts = np.zeros((groups, classes), np.int64)
-    for exponent in range(exponents):
-        for c in range(classes):
-            counts[group_of[exponent], c] += class_counts[exponent, c]
-    quantized = np.zeros((groups, classes), np.uint8)
-    sizes = np.zeros(groups, np.int64)
-    changed = np.zeros(groups, np.int64)
-    for group in range(groups):
-        for c in range(classes):
-            if counts[group, c] > 0:
-                quantized[group, c] = np.uint8(min(np.rint(4 * np.log2(counts[group, c])) + 1, 255))
-                sizes[group] = c + 1
-                changed[group] += counts[group, c]
-    return quantized, sizes, changed
-
-
-def _class_probabilities(tables: list[np.ndarray | None]) -> np.ndarray:
-    """Per group, the probability of each value class (up to `_CLASSES`) from its table."""
-    quantized = np.zeros((len(tables), _CLASSES), np.uint8)
-    for row, table in zip(quantized, tables):
-        if table is not None:
-            row[: table.size] = table
-    return _QUANTIZED_PROBABILITY[quantized]
-
-
-# Probability of a value class from its byte in a value table: 2^((q - 1) / 4), 0 for absent.
-_QUANTIZED_PROBABILITY = np.concatenate([[0.0], np.ldexp(_QUARTER_POWERS[np.arange(255) % 4], np.arange(255) // 4)])
+            ranks[j] = next_position
+        position = next_position
+    if complement:
+        for member in range(position + 1, count):
+            ranks[r] = member
+            r += 1
+    return rans.OK

@@ -21,6 +21,8 @@ SUMMARY_KEYS = {
     "trainer_step_x_clone",
     "trl_v1_step_x_ours",
     "apply_verify_x_clone",
+    "break_even_vs_raw_mbps",
+    "break_even_vs_best_peer_mbps",
 }
 
 
@@ -47,11 +49,17 @@ def test_bench_delta_quick_writes_results(tmp_path):
         assert summary["best_peer_name"] in {"trl_raw", "trl_gap", "pulse", "nemo_xor"}
         for key in ("trainer_step_x_clone", "trl_v1_step_x_ours", "apply_verify_x_clone", "decode_ns_per_changed"):
             assert summary[key] > 0, key
+        # Compact is smaller than raw and every peer here: it wins on slow enough links
+        # (None: at any speed, where it also costs no more CPU).
+        for key in ("break_even_vs_raw_mbps", "break_even_vs_best_peer_mbps"):
+            assert summary[key] is None or summary[key] > 0, key
     for row in report["verify_scaling"]:
         assert row["verify_seconds"] > 0 and row["decode_seconds"] > 0
     speed = report["codec_speed"]
     assert 0 < speed["changed"] < speed["numel"] and 0 < speed["bytes_per_changed"] < 1.5
     for what in ("encode", "decode", "clone"):
         assert speed[what]["wall_seconds"] > 0 and speed[what]["wall_ns_per_element"] > 0, what
+    gil = report["gil_check"]
+    assert 0 < gil["progress"] and gil["encode_seconds"] > 0 and gil["cpus"] >= 1
     if any(name.startswith("minilm") for name in report["variants"]) or report["skipped"]:
         assert len(report["variants"]) + len(report["skipped"]) == 4

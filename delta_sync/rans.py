@@ -1,0 +1,398 @@
+"""A table-driven range ANS (rANS) entropy coder, compiled with numba, that releases the GIL.
+
+The coder codes a sequence of symbols, each with its own model: a static frequency table
+(integer frequencies summing to `2^PRECISION`, see [`quantize`] and [`cumulative`]) or
+raw bits (a uniform symbol of up to `MAX_RAW_BITS` bits). Symbol `i` of the sequence goes
+to lane `i % lanes` (`lanes` from 1 to `LANES`, 4, as the caller chooses): the lanes are
+independent coder states that share one word stream, so a CPU overlaps the arithmetic of
+consecutive symbols.
+
+Each state is 64 bits wide and kept in `[2^31, 2^63)`; it moves out and in 32 bits at a
+time, so coding one symbol emits (or reads) at most one word. The stream, uint32 words,
+is: the `lanes` final encoder states (low word, then high word, lane 0 first), then the
+words the decoder reads as it goes. The encoder starts every lane at `2^31`, so a decoder
+that reaches the end of the symbols must find every lane back at `2^31` with no word
+left: a truncated or extended stream, and almost every altered one, fails that check (or
+an earlier one). Raw bits carry no redundancy: one changed among them decodes to another
+value, so callers check what they decode (a delta's checksums do).
+
+Every function here is compiled (`nogil=True`, cached on disk), so numba code calls them
+directly; the decoding ones return an error code (`OK` on success, see [`error_message`])
+rather than raise, so compiled callers can stop and report. [`encode`] and [`Decoder`]
+are the Python entry points.
+
+Frequencies are built with exact integer arithmetic only ([`quantize`]): the trainer and
+every replica build the same tables on any machine.
+
+Example:
+    ```python
+    >>> freqs = quantize(np.array([700, 200, 100]), np.ones(3, np.bool_))
+    >>> table = cumulative(freqs)
+    >>> words = encode(*table_symbols(table, np.array([0, 0, 2, 1])))
+    >>> decoder = Decoder(words)
+    >>> decoder.symbols(table, 4)
+    array([0, 0, 2, 1])
+    >>> decoder.finish()
+    ```
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from .errors import FormatError
+
+__all__ = [
+    "LANES",
+    "MAX_RAW_BITS",
+    "PRECISION",
+    "Decoder",
+    "cumulative",
+    "encode",
+    "error_message",
+    "quantize",
+    "table_symbols",
+]
+
+# numba's disk cache keys each function on its own file only: compiled callers in other
+# modules (delta_sync.compact) inline these functions, so after an edit here their cache
+# (`__pycache__/compact.*.nbi`, `.nbc`) must be cleared by hand; installed releases are unaffected.
+
+#: Bits of every frequency table's total: frequencies sum to `2^PRECISION`.
+PRECISION = 16
+#: Interleaved coder states, at most (and by default).
+LANES = 4
+#: Bits of the slot that [`lookup`] indexes.
+LOOKUP_BITS = 8
+#: Widest raw-bits symbol.
+MAX_RAW_BITS = 24
+# States live in [_LOW, _LOW << 32).
+_LOW = np.int64(1) << np.int64(31)
+_WORD_MASK = (np.int64(1) << np.int64(32)) - np.int64(1)
+
+#: Error codes of the compiled decoder.
+OK = 0
+ENDS_EARLY = 1
+BAD_START = 2
+NOT_FINISHED = 3
+WORDS_LEFT = 4
+BAD_TABLE = 5
+BAD_LANES = 6
+_MESSAGES = {
+    ENDS_EARLY: "the entropy-coded data ends before the last symbol",
+    BAD_START: "an initial coder state is out of range",
+    NOT_FINISHED: "the coder does not end in its initial state",
+    WORDS_LEFT: "words are left over after the last symbol",
+    BAD_TABLE: "a frequency table is malformed",
+    BAD_LANES: f"the coder's lane count is not 1 to {LANES}",
+}
+
+
+def error_message(code: int) -> str:
+    """What decoder error `code` means, worded to follow `"{tensor}: "`; "the stream is damaged" appended."""
+    return f"{_MESSAGES.get(code, f'error {code}')}; the stream is damaged"
+
+
+# -- tables ----------------------------------------------------------------------------------
+
+
+@numba.njit(nogil=True, cache=True)
+def quantize(weights: np.ndarray, possible: np.ndarray) -> np.ndarray:
+    """Integer frequencies summing to `2^PRECISION` from non-negative integer `weights`.
+
+    Every possible symbol gets at least 1 (so any of them can be coded, however small its
+    weight), the others 0: `freq = 1 + weight * (2^PRECISION - possible) // total` over the
+    possible symbols, and what the floors leave goes to the first of largest weight. Exact
+    integer arithmetic: the same table on every machine.
+
+    Args:
+        weights: int64, one per symbol, each below 2^40.
+        possible: bool, one per symbol: whether it can occur (at most `2^PRECISION` of them,
+            at least one).
+
+    Returns:
+        int64 frequencies; an empty array when the inputs break these limits.
+    """
+    n = weights.size
+    total = np.int64(0)
+    count = np.int64(0)
+    best = -1
+    for s in range(n):
+        if possible[s]:
+            if weights[s] < 0 or weights[s] >= np.int64(1) << np.int64(40):
+                return np.zeros(0, np.int64)
+            total += weights[s]
+            count += 1
+            if best < 0 or weights[s] > weights[best]:
+                best = s
+    target = np.int64(1) << np.int64(PRECISION)
+    freqs = np.zeros(n, np.int64)
+    if count == 0 or count > target:
+        return np.zeros(0, np.int64)
+    spare = target - count
+    used = np.int64(0)
+    for s in range(n):
+        if possible[s]:
+            share = weights[s] * spare // total if total > 0 else np.int64(0)
+            freqs[s] = 1 + share
+            used += freqs[s]
+    freqs[best] += target - used
+    return freqs
+
+
+@numba.njit(nogil=True, cache=True)
+def cumulative(freqs: np.ndarray) -> np.ndarray:
+    """The table a model codes with: `table[s]` is the sum of the frequencies below `s`
+    (`table[-1] == 2^PRECISION` for a valid table).
+
+    Args:
+        freqs: int64 frequencies (from [`quantize`]).
+    """
+    table = np.zeros(freqs.size + 1, np.int64)
+    for s in range(freqs.size):
+        table[s + 1] = table[s] + freqs[s]
+    return table
+
+
+@numba.njit(nogil=True, cache=True)
+def table_symbols(table: np.ndarray, symbols: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`(starts, freqs, scales)` for [`encode`] of `symbols` coded with `table`.
+
+    Args:
+        table: A [`cumulative`] table.
+        symbols: Symbols in `[0, table.size - 1)`, each of non-zero frequency.
+    """
+    starts = np.empty(symbols.size, np.int64)
+    freqs = np.empty(symbols.size, np.int64)
+    scales = np.full(symbols.size, PRECISION, np.int64)
+    for i in range(symbols.size):
+        starts[i] = table[symbols[i]]
+        freqs[i] = table[symbols[i] + 1] - table[symbols[i]]
+    return starts, freqs, scales
+
+
+# -- encoder ---------------------------------------------------------------------------------
+
+
+@numba.njit(nogil=True, cache=True)
+def encode(starts: np.ndarray, freqs: np.ndarray, scales: np.ndarray, lanes: int = LANES) -> np.ndarray:
+    """The words that code symbol `i` as the range `[starts[i], starts[i] + freqs[i])` out of
+    `2^scales[i]`, for every `i`, in the order a decoder reads them.
+
+    A table symbol has `scales[i] == PRECISION`; a raw `b`-bit value `v` is `(v, 1, b)`.
+
+    Args:
+        starts: int64 range starts.
+        freqs: int64 range sizes, each at least 1 and `starts[i] + freqs[i] <= 2^scales[i]`.
+        scales: int64 bits of each symbol's total, 0 to 31.
+        lanes: Interleaved states, 1 to `LANES` (each costs 2 words: few symbols want one).
+
+    Returns:
+        uint32 words (the layout in the module's docstring).
+    """
+    count = starts.size
+    # Each symbol emits at most one word (a state below 2^63 shifted once is below 2^31).
+    out = np.empty(count + 2 * lanes, np.uint32)
+    at = out.size
+    states = np.full(lanes, _LOW, np.int64)
+    for i in range(count - 1, -1, -1):
+        lane = i % lanes
+        state = states[lane]
+        freq = freqs[i]
+        scale = np.int64(scales[i])
+        # state >= ((2^31 >> scale) << 32) * freq, which would overflow where freq == 2^scale.
+        if (state >> np.int64(32)) >= (_LOW >> scale) * freq:
+            at -= 1
+            out[at] = np.uint32(state & _WORD_MASK)
+            state >>= np.int64(32)
+        if freq == 1:  # raw bits: no division
+            states[lane] = (state << scale) + starts[i]
+        else:
+            quotient = state // freq
+            states[lane] = (quotient << scale) + (state - quotient * freq) + starts[i]
+    for lane in range(lanes - 1, -1, -1):
+        at -= 2
+        out[at] = np.uint32(states[lane] & _WORD_MASK)
+        out[at + 1] = np.uint32(states[lane] >> np.int64(32))
+    return out[at:].copy()
+
+
+# -- decoder ---------------------------------------------------------------------------------
+#
+# A decoder's position is an int64 array `ctx`: the next word, the number of symbols decoded
+# so far, the number of lanes (the two pick the lane), then the lanes' states.
+
+_WORD = 0
+_DECODED = 1
+_LANES = 2
+_STATES = 3
+
+
+@numba.njit(nogil=True, cache=True)
+def decoder_start(words: np.ndarray, lanes: int = LANES) -> tuple[np.ndarray, int]:
+    """`(ctx, error)`: a decoder positioned at the first symbol of `words`, coded with `lanes` states."""
+    ctx = np.zeros(_STATES + LANES, np.int64)
+    if lanes < 1 or lanes > LANES:
+        return ctx, BAD_LANES
+    if words.size < 2 * lanes:
+        return ctx, ENDS_EARLY
+    for lane in range(lanes):
+        state = np.int64(words[2 * lane]) | (np.int64(words[2 * lane + 1]) << np.int64(32))
+        if state < _LOW or (state >> np.int64(32)) >= _LOW:
+            return ctx, BAD_START
+        ctx[_STATES + lane] = state
+    ctx[_WORD] = 2 * lanes
+    ctx[_LANES] = lanes
+    return ctx, OK
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _advance(ctx, words, lane, state, freq, offset, scale):
+    """Leave the state of one decoded symbol in `ctx` (reading a word if it needs one): OK or ENDS_EARLY."""
+    # state >> scale < 2^(63 - scale) and offset < freq <= 2^scale: no overflow, and the
+    # result is at least 1, so one word brings it back to [2^31, 2^63).
+    state = freq * (state >> scale) + offset
+    if state < _LOW:
+        at = ctx[_WORD]
+        if at >= words.size:
+            return ENDS_EARLY
+        state = (state << np.int64(32)) | np.int64(words[at])
+        ctx[_WORD] = at + 1
+    ctx[_STATES + lane] = state
+    ctx[_DECODED] += 1
+    return OK
+
+
+@numba.njit(nogil=True, cache=True)
+def lookup(table: np.ndarray) -> np.ndarray:
+    """Where [`decode_symbol`] starts its search: for each `2^LOOKUP_BITS`-th of the range,
+    the symbol its first slot falls in.
+
+    Args:
+        table: A [`cumulative`] table.
+    """
+    starts = np.zeros(1 << LOOKUP_BITS, np.int64)
+    symbol = 0
+    for j in range(starts.size):
+        slot = np.int64(j) << np.int64(PRECISION - LOOKUP_BITS)
+        while symbol < table.size - 2 and table[symbol + 1] <= slot:
+            symbol += 1
+        starts[j] = symbol
+    return starts
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def decode_symbol(ctx: np.ndarray, words: np.ndarray, table: np.ndarray, starts: np.ndarray) -> int:
+    """The next symbol, coded with the [`cumulative`] `table` (trusted: built by this module)
+    whose [`lookup`] is `starts`, or minus an error code."""
+    lane = ctx[_DECODED] % ctx[_LANES]
+    state = ctx[_STATES + lane]
+    slot = state & ((np.int64(1) << np.int64(PRECISION)) - 1)
+    # The symbol s with table[s] <= slot < table[s + 1]: zero frequencies are never found.
+    symbol = starts[slot >> np.int64(PRECISION - LOOKUP_BITS)]
+    while table[symbol + 1] <= slot:
+        symbol += 1
+    error = _advance(
+        ctx, words, lane, state, table[symbol + 1] - table[symbol], slot - table[symbol], np.int64(PRECISION)
+    )
+    return symbol if error == OK else -error
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def decode_bits(ctx: np.ndarray, words: np.ndarray, width: int) -> int:
+    """The next raw value of `width` bits (0 to `MAX_RAW_BITS`), or minus an error code."""
+    if width < 0 or width > MAX_RAW_BITS:
+        return -BAD_TABLE
+    lane = ctx[_DECODED] % ctx[_LANES]
+    state = ctx[_STATES + lane]
+    value = state & ((np.int64(1) << np.int64(width)) - 1)
+    error = _advance(ctx, words, lane, state, np.int64(1), np.int64(0), np.int64(width))
+    return value if error == OK else -error
+
+
+@numba.njit(nogil=True, cache=True)
+def valid_table(table: np.ndarray) -> bool:
+    """Whether `table` is a [`cumulative`] table: from 0 to `2^PRECISION`, never decreasing."""
+    if table.size < 2 or table[0] != 0 or table[-1] != np.int64(1) << np.int64(PRECISION):
+        return False
+    for s in range(1, table.size):
+        if table[s] < table[s - 1]:
+            return False
+    return True
+
+
+@numba.njit(nogil=True, cache=True)
+def decode_table(ctx: np.ndarray, words: np.ndarray, table: np.ndarray, out: np.ndarray) -> int:
+    """Decode `out.size` symbols coded with the [`cumulative`] `table` into `out`: an error code."""
+    if not valid_table(table):
+        return BAD_TABLE
+    starts = lookup(table)
+    for i in range(out.size):
+        symbol = decode_symbol(ctx, words, table, starts)
+        if symbol < 0:
+            return -symbol
+        out[i] = symbol
+    return OK
+
+
+@numba.njit(nogil=True, cache=True)
+def decode_raw(ctx: np.ndarray, words: np.ndarray, widths: np.ndarray, out: np.ndarray) -> int:
+    """Decode `widths.size` raw values of `widths[i]` bits (0 to `MAX_RAW_BITS`) into `out`: an error code."""
+    for i in range(widths.size):
+        value = decode_bits(ctx, words, widths[i])
+        if value < 0:
+            return -value
+        out[i] = value
+    return OK
+
+
+@numba.njit(nogil=True, cache=True)
+def decoder_finish(ctx: np.ndarray, words: np.ndarray) -> int:
+    """OK if every word was read and every lane is back at its initial state, else the error."""
+    if ctx[_WORD] != words.size:
+        return WORDS_LEFT
+    for lane in range(ctx[_LANES]):
+        if ctx[_STATES + lane] != _LOW:
+            return NOT_FINISHED
+    return OK
+
+
+class Decoder:
+    """Decodes a stream of [`encode`] field by field, raising [`FormatError`] on damage.
+
+    Args:
+        words: The uint32 words.
+        where: Prefix of error messages (the file and tensor).
+        lanes: The interleaved states they were coded with.
+
+    Raises:
+        FormatError: The stream is too short to hold the coder's states, or one is out of range.
+    """
+
+    def __init__(self, words: np.ndarray, where: str = "entropy-coded data", lanes: int = LANES) -> None:
+        self.words = np.ascontiguousarray(words, np.uint32)
+        self.where = where
+        self.ctx, error = decoder_start(self.words, lanes)
+        self._check(error)
+
+    def symbols(self, table: np.ndarray, count: int) -> np.ndarray:
+        """The next `count` symbols, each coded with the [`cumulative`] `table` (int64)."""
+        out = np.empty(count, np.int64)
+        self._check(decode_table(self.ctx, self.words, table, out))
+        return out
+
+    def raw(self, widths: np.ndarray) -> np.ndarray:
+        """The next raw values, `widths[i]` bits each (int64)."""
+        widths = np.ascontiguousarray(widths, np.int64)
+        out = np.empty(widths.size, np.int64)
+        self._check(decode_raw(self.ctx, self.words, widths, out))
+        return out
+
+    def finish(self) -> None:
+        """Check that the stream ends here, as it began."""
+        self._check(decoder_finish(self.ctx, self.words))
+
+    def _check(self, error: int) -> None:
+        if error != OK:
+            raise FormatError(f"{self.where}: {error_message(error)}")
