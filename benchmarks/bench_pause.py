@@ -29,8 +29,8 @@ version, when the server may start preparing it, to `/start_weight_update`, with
 tokens streamed in each, the longest gap between two tokens overlapping each and the whole
 update window (a gap counts whole: a pause lasts until the next token, also when the
 completion in flight must be recomputed after it), the tokens of that completion, and what
-the server logged it wrote (tensors patched in place, changed elements, tensors reloaded
-whole). Before any update, a quiet window gives the median inter-token gap, its longest gap
+the server logged it wrote (tensors patched in place, changed elements, tensors written
+whole into their own runtime tensors, tensors reloaded whole). Before any update, a quiet window gives the median inter-token gap, its longest gap
 (the machine's own noise) and the cost of a utility call that does nothing and of
 `delta_sync_status` while the server generates.
 
@@ -42,7 +42,10 @@ state does), run twice after the updates. The pause's own work is the load;
 (see the JSON's `targets`):
 
 * `prepare_streams`: tokens arrive while a version is prepared, and no gap there is longer
-  than 3x the quiet median gap.
+  than 3x the quiet median gap. The gaps are read once this benchmark's trainer has
+  published the update's last version: a catch-up's earlier versions are published (and
+  prepared) while the trainer trains the next ones on the same cores, which a trainer on
+  another machine would not take from the server; the JSON gives both figures.
 * `update_is_an_empty_rpc`: `/update_weights` costs no more than `/start_weight_update`
   plus 50 ms.
 * `delta_load_x_full`: a single delta's load is at most 0.6x a full reload on a CPU server
@@ -100,7 +103,8 @@ LOAD_TARGET_X_FULL = {"cpu": 0.6, "cuda": 0.1}
 #: Routes of the finish phase, as the client sends them.
 FINISH_ROUTES = (Route.PAUSE, Route.FINISH, Route.RESET_PREFIX_CACHE, Route.RESUME)
 LOAD_LINE = re.compile(
-    r"wrote (?P<in_place>\d+) tensor\(s\) in place \((?P<elements>\d+) changed elements\), reloaded (?P<whole>\d+) whole"
+    r"wrote (?P<in_place>\d+) tensor\(s\) in place \((?P<elements>\d+) changed elements\), "
+    r"(?P<rewritten>\d+) rewritten whole, reloaded (?P<whole>\d+) whole"
 )
 
 
@@ -147,7 +151,7 @@ def median_gap(arrivals: Sequence[float], start: float, end: float) -> float | N
 
 
 def phase_windows(
-    calls: Sequence[tuple[str, float, float]], published: float, posted: float
+    calls: Sequence[tuple[str, float, float]], published: float, posted: float, last_published: float | None = None
 ) -> dict[str, tuple[float, float]]:
     """Each phase's window of one `Replica.update`, from the routes it posted.
 
@@ -156,10 +160,13 @@ def phase_windows(
         published: When the first version the update brings was published (`latest.json`
             moved: the server may start preparing it from then on).
         posted: When `Replica.update` was called.
+        last_published: When its last version was published (default: `published`).
 
     Returns:
         `prepare`: from `published` to the first `/start_weight_update` (the server prepared
-        the version meanwhile, on its prefetch thread); `hint_wait`, its end: from `posted`
+        the version meanwhile, on its prefetch thread); `prepare_trainer_idle`, its part
+        after `last_published`, once this benchmark's trainer (which stands in for one on
+        another machine, but shares this one's cores) has stopped training; `hint_wait`, its end: from `posted`
         (the client's hint, then its wait until prepared); `start` and `update`: their
         (last) requests; `finish`: from the first request of the finish routes (`/pause`,
         `/finish_weight_update`, `/reset_prefix_cache`, `/resume`) to the answer of the last.
@@ -172,8 +179,10 @@ def phase_windows(
     finish = [call for call in calls if call[0] in FINISH_ROUTES]
     if not (starts and updates and finish):
         raise ValueError(f"an update without start, update and finish requests: {[c[0] for c in calls]}")
+    idle_from = published if last_published is None else last_published
     return {
         "prepare": (min(published, posted), starts[0][1]),
+        "prepare_trainer_idle": (min(idle_from, posted), starts[0][1]),
         "hint_wait": (posted, starts[0][1]),
         "start": (starts[-1][1], starts[-1][2]),
         "update": (updates[-1][1], updates[-1][2]),
@@ -214,7 +223,10 @@ def targets(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The design's targets, each with the measured ratio and `passed`."""
     median = results["quiet"]["median_gap_seconds"]
     updates = results["updates"]
-    worst_prepare_gap = max((u["phases"]["prepare"]["longest_gap_seconds"] or 0.0) for u in updates)
+    # Gaps while this benchmark's own trainer trains are the trainer's (it shares the cores
+    # here, not in a deployment): the gap target reads the prepare window once it is idle.
+    worst_prepare_gap = max((u["phases"]["prepare_trainer_idle"]["longest_gap_seconds"] or 0.0) for u in updates)
+    worst_with_trainer = max((u["phases"]["prepare"]["longest_gap_seconds"] or 0.0) for u in updates)
     prepare_tokens = min(u["phases"]["prepare"]["tokens"] for u in updates)
     worst_update = max(u["phases"]["update"]["seconds"] - u["phases"]["start"]["seconds"] for u in updates)
     ratio = statistics.median(u["load_x_full"] for u in updates if u["kind"] == "delta")
@@ -224,6 +236,7 @@ def targets(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "what": f"tokens stream while each version is prepared; no gap there over {GAP_TARGET_X_MEDIAN:g}x the quiet median",
             "fewest_tokens_while_preparing": prepare_tokens,
             "longest_prepare_gap_x_median": worst_prepare_gap / median,
+            "longest_prepare_gap_x_median_while_the_trainer_trained": worst_with_trainer / median,
             "limit_x_median": GAP_TARGET_X_MEDIAN,
             "passed": prepare_tokens > 0 and worst_prepare_gap <= GAP_TARGET_X_MEDIAN * median,
         },
@@ -545,6 +558,9 @@ class LoadTimer:
         finally:
             self.loads.append({"how": "whole", "tensors": len(weights), "seconds": time.perf_counter() - started})
 
+    def __getattr__(self, name: str) -> Any:  # `writable()` and the rest: the loader's own
+        return getattr(self.loader, name)
+
     def load_patches(self, patches: list[Any]) -> object:
         started = time.perf_counter()
         try:
@@ -659,7 +675,7 @@ def run_update(
         "changed_fraction": [p["changed_fraction"] for p in published],
         "posted_after_publish_seconds": began - published[-1]["published_at"],
         "began": began,
-        "windows": phase_windows(replica.calls, published[0]["published_at"], began),
+        "windows": phase_windows(replica.calls, published[0]["published_at"], began, published[-1]["published_at"]),
         "finish_rpc_seconds": finish[2] - finish[1],
         # The load itself, timed inside the server: the pause's own work.
         "load_seconds": sum(load["seconds"] for load in loads),
@@ -843,13 +859,17 @@ def print_table(results: dict[str, Any]) -> None:
         f"{results['full_reload_seconds']:.3f} s; longest token gaps "
         + ", ".join(f"{full['longest_gap_seconds'] or 0:.3f} s" for full in results["full_reloads"])
     )
-    header = "| update | changed | in flight | prepare s (tokens) | hint wait s | start s | update s | finish s (tokens) | load s | load x full | resume wait s | longest gap s (x median) | wrote in place / whole |"
+    header = "| update | changed | in flight | prepare s (tokens) | hint wait s | start s | update s | finish s (tokens) | load s | load x full | resume wait s | longest gap s (x median) | patched (elements) / rewritten / reloaded |"
     print(header)
     print("| --- " * (header.count("|") - 1) + "|")
     for u in results["updates"]:
         p = u["phases"]
         loaded = u["loaded"]
-        wrote = "-" if loaded is None else f"{loaded['in_place']} ({loaded['elements']} el.) / {loaded['whole']}"
+        wrote = (
+            "-"
+            if loaded is None
+            else f"{loaded['in_place']} ({loaded['elements']} el.) / {loaded['rewritten']} / {loaded['whole']}"
+        )
         gap = p["update_window"]["longest_gap_seconds"]
         resume = u["resume_wait_seconds"]
         resume_text = "-" if resume is None else f"{resume:.3f}"

@@ -286,7 +286,9 @@ def _follow(args: argparse.Namespace) -> int:
         # Stop between polls, or after the update in flight: never leave a session open.
         signal.signal(signum, lambda *_: stop.set())
     max_backoff = args.max_backoff if args.max_backoff is not None else max(120.0, args.interval)
-    with Follower(args.bucket, args.vllm_url, interval=args.interval, max_backoff=max_backoff) as follower:
+    with Follower(
+        args.bucket, args.vllm_url, interval=args.interval, max_backoff=max_backoff, adapter_name=args.adapter_name
+    ) as follower:
         logging.getLogger("delta_sync").info(
             "delta-sync: following %s for %s", follower.bucket.url, follower.replica.url
         )
@@ -351,6 +353,10 @@ def build_parser() -> argparse.ArgumentParser:
     follow.add_argument("--interval", type=_seconds, default=5.0, help="seconds between polls (default 5)")
     follow.add_argument(
         "--max-backoff", type=_seconds, help="longest wait after failed polls (default 120, at least --interval)"
+    )
+    follow.add_argument(
+        "--adapter-name",
+        help="for a bucket published in adapter mode: the name the server serves the LoRA adapter under",
     )
     follow.set_defaults(run=_follow)
     return parser

@@ -102,6 +102,28 @@ def _directory(kind: str) -> str:
     return ANCHOR_DIR if kind == "anchor" else DELTA_DIR
 
 
+# -- adapter mode -------------------------------------------------------------------------
+
+ADAPTER_DIR = "adapters"
+#: The files of one adapter version, as `peft`'s `save_pretrained` names them.
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
+
+_ADAPTER_FILE = re.compile(r"^adapters/step_(\d{8,})/(adapter_config\.json|adapter_model\.safetensors)(\.sig)?$")
+
+
+def adapter_dir(version: int) -> str:
+    """Directory of the adapter published as `version` (adapter mode), relative to the bucket prefix."""
+    return f"{ADAPTER_DIR}/step_{version:08d}"
+
+
+def parse_adapter_path(path: str) -> int | None:
+    """The version of an adapter version's file (or its signature), or None for anything else."""
+    match = _ADAPTER_FILE.match(path)
+    return None if match is None else int(match.group(1))
+
+
 #: `latest.json` is a small pointer; anything much larger is not one.
 MAX_LATEST_BYTES = 64 << 10
 
@@ -130,6 +152,10 @@ class Latest(Identified):
             epoch: how fresh what a replica follows is. 0.0 in older pointers.
         bucket: The bucket the pointer was written for (see
             `delta_sync.signing.bucket_identity`); "" in older pointers.
+        adapter: For a version published as a PEFT adapter (adapter mode, see
+            `delta_sync.trainer.adapter`): its directory ([`adapter_dir`]); then `anchor`
+            is "", `delta` None and `model_checksum` the SHA-256 of its
+            `adapter_model.safetensors`. None (and absent from the file) otherwise.
     """
 
     id: VersionId
@@ -140,12 +166,14 @@ class Latest(Identified):
     sequence: int = 0
     written_at: float = 0.0
     bucket: str = ""
+    adapter: str | None = None
 
     def _fields(self) -> dict:
         fields = {**asdict(self.id), "anchor": self.anchor, "delta": self.delta}
         fields.update(model_checksum=self.model_checksum, epoch_start=self.epoch_start)
         fields.update(sequence=self.sequence, written_at=self.written_at, bucket=self.bucket)
-        for optional in ("epoch", "epoch_start", "sequence", "written_at", "bucket"):
+        fields.update(adapter=self.adapter)
+        for optional in ("epoch", "epoch_start", "sequence", "written_at", "bucket", "adapter"):
             if not fields[optional]:
                 del fields[optional]
         return fields
@@ -225,6 +253,7 @@ class Latest(Identified):
             sequence=_count(fields, "sequence", source) if "sequence" in fields else 0,
             written_at=_seconds(fields, "written_at", source) if "written_at" in fields else 0.0,
             bucket=_text(fields, "bucket", source) if "bucket" in fields else "",
+            adapter=_text(fields, "adapter", source) if fields.get("adapter") is not None else None,
         )
         if verify_key is not None:
             if not isinstance(signature, dict):

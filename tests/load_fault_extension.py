@@ -4,8 +4,10 @@ A load cannot be made to fail for real halfway through vLLM's `load_weights` (af
 wrote some tensors, before it wrote the rest), so this subclass of
 `vllm_ext.DeltaWorkerExtension` adds one RPC that arms such a failure in the served model:
 the next loads pass `calls_before` calls of `model.load_weights` through untouched, then in
-the one after that hand vLLM's loader `tensors` tensors (which it writes) and raise. The
-failure fires once; the receiver's rollback and the next update load normally.
+the one after that hand vLLM's loader `tensors` tensors (which it writes) and raise; or
+(`direct`) the loader's next direct writes into runtime tensors write `tensors` of them
+and raise. The failure fires once; the receiver's rollback and the next update load
+normally.
 
 Start the server with `--worker-extension-cls load_fault_extension.LoadFaultExtension` and
 this directory on its `PYTHONPATH`; arm a failure with
@@ -28,18 +30,24 @@ __all__ = ["LoadFaultExtension"]
 class LoadFaultExtension(DeltaWorkerExtension):
     """`DeltaWorkerExtension` plus `delta_sync_fail_next_load` and `delta_sync_load_fault`."""
 
-    def delta_sync_fail_next_load(self, calls_before: int = 0, tensors: int = 1) -> dict[str, Any]:
-        """Make a coming `model.load_weights` call fail after it has loaded some tensors.
+    def delta_sync_fail_next_load(
+        self, calls_before: int = 0, tensors: int = 1, direct: bool = False
+    ) -> dict[str, Any]:
+        """Make a coming `model.load_weights` call (or, with `direct`, the loader's next
+        direct writes into runtime tensors) fail after it has loaded some tensors.
 
         Args:
             calls_before: Calls of `load_weights` that go through untouched first (a load
                 reloads whole tensors in one call, then writes patches in another).
-            tensors: Tensors the failing call hands to vLLM's loader before it raises.
+            tensors: Tensors the failing call hands to vLLM's loader (or writes directly)
+                before it raises.
+            direct: Fail in `ModelLoader._write_direct` instead, after `tensors` writes.
 
         Returns:
             The fault's record (see `delta_sync_load_fault`).
         """
-        model = self._delta_engine().loader.model
+        loader = self._delta_engine().loader
+        model = loader.model
         fault: dict[str, Any] = {
             "armed": True,
             "calls_passed": 0,
@@ -48,6 +56,19 @@ class LoadFaultExtension(DeltaWorkerExtension):
             "error": None,
         }
         self._delta_sync_fault = fault
+        if direct:
+            real_write_direct = type(loader)._write_direct.__get__(loader)
+
+            def failing_write_direct(writes: list) -> None:
+                del loader._write_direct  # once only: the rollback's writes go through
+                fault["armed"] = False
+                before = _plain_parameters(model)
+                real_write_direct(writes[:tensors])
+                fault["written"] = [patch.name for patch, _ in writes[:tensors]]
+                _record_failure(model, before, fault)
+
+            loader._write_direct = failing_write_direct
+            return dict(fault)
         real_load_weights = type(model).load_weights.__get__(model)
 
         def failing_load_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
@@ -92,6 +113,11 @@ def _then_fail(
             break
         fault["written"].append(name)
         yield name, tensor
+    _record_failure(model, before, fault)
+
+
+def _record_failure(model: torch.nn.Module, before: dict[str, torch.Tensor], fault: dict[str, Any]) -> None:
+    """Note which written tensors hold other values than before, then raise."""
     after = dict(model.named_parameters())
     fault["changed_before_failure"] = [
         name

@@ -72,11 +72,14 @@ def test_phases_come_from_the_routes_the_client_posted(bench):
     windows = bench.phase_windows(calls, 0.5, 0.9)
     assert windows == {
         "prepare": (0.5, 2.0),
+        "prepare_trainer_idle": (0.5, 2.0),
         "hint_wait": (0.9, 2.0),
         "start": (2.0, 2.1),
         "update": (2.1, 2.4),
         "finish": (2.4, 3.2),
     }
+    # A catch-up: its last version published at 0.7, once the trainer stopped training.
+    assert bench.phase_windows(calls, 0.5, 0.9, 0.7)["prepare_trainer_idle"] == (0.7, 2.0)
     with pytest.raises(ValueError, match="without start, update and finish"):
         bench.phase_windows(calls[:3], 0.5, 0.9)
 
@@ -106,6 +109,7 @@ def _result(*, prepare_tokens: int, prepare_gap: float, start: float, update: fl
     """A result as `targets` reads it: one delta whose load took `load` of a full reload."""
     phases = {
         "prepare": {"seconds": 1.0, "tokens": prepare_tokens, "longest_gap_seconds": prepare_gap},
+        "prepare_trainer_idle": {"seconds": 0.5, "tokens": prepare_tokens, "longest_gap_seconds": prepare_gap},
         "start": {"seconds": start, "tokens": 0, "longest_gap_seconds": None},
         "update": {"seconds": update, "tokens": 0, "longest_gap_seconds": None},
     }

@@ -189,3 +189,71 @@ def test_optimizer_of_another_model_is_refused():
     model, other = TwoTower(), TwoTower()
     with pytest.raises(ValueError, match="not parameters of the model"):
         BF16ChangeDetector(model, torch.optim.SGD(other.parameters(), lr=0.1))
+
+
+def test_a_snapshot_on_the_cpu_needs_no_host_mirror(seeded):
+    model = TwoTower(torch.float32)
+    detector = BF16ChangeDetector(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert detector.mirror is None
+    # Read where it lives: the host snapshot of a CPU snapshot is the snapshot itself.
+    assert all(detector.host_snapshot()[name] is tensor for name, tensor in detector.snapshot.items())
+    detector.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16-params", "fp32-master"])
+def test_a_host_mirror_follows_the_snapshot_bit_for_bit(dtype, seeded):
+    """The mirror is advanced only from the changes the detector brings back; after real
+    AdamW steps, hand edits to NaN, infinities and -0.0, and steps that skip a branch, it
+    holds exactly the snapshot's bits, and is what the host snapshot hands out."""
+    model = TwoTower(dtype)
+    optimizer = make_optimizer("adamw", model, lr=1e-3)
+    detector = BF16ChangeDetector(model, optimizer, host_mirror=True)
+    assert detector.mirror is not None and detector.mirror.nbytes == 2 * sum(p.numel() for p in model.parameters())
+    for seed in range(5):
+        train_step(model, optimizer, seed=seed, use_side=seed % 2 == 0)
+        if seed == 2:
+            with torch.no_grad():
+                model.body[0].weight[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
+            detector.mark_changed(["body.0.weight"])
+        change_set = detector.changes()
+        assert change_set.changed_elements > 0
+        for name, tensor in detector.snapshot.items():
+            assert torch.equal(detector.mirror.tensors[name].view(torch.int16), tensor.view(torch.int16)), name
+    assert all(detector.host_snapshot()[name] is detector.mirror.tensors[name] for name in detector.snapshot)
+    assert detector.mirror.tensors["body.0.weight"].data_ptr() != detector.snapshot["body.0.weight"].data_ptr()
+    detector.close()
+    assert detector.mirror is None
+
+
+class Transposed(nn.Module):
+    """A parameter stored transposed (non-contiguous): the compiled pass declines it, so it
+    takes the batched torch path, as every parameter on a GPU does."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(24, 40, dtype=dtype).t())
+        self.bias = nn.Parameter(torch.randn(24, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight + self.bias
+
+
+@pytest.mark.parametrize("mirrored", [False, True], ids=["no-mirror", "host-mirror"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16-params", "fp32-master"])
+def test_the_batched_path_reports_old_values_with_or_without_a_host_mirror(dtype, mirrored, seeded):
+    """With a host mirror the batched path leaves the old values on the device and the
+    detector reads them from the mirror: the change set is exactly the brute force's."""
+    model = Transposed(dtype)
+    assert not model.weight.is_contiguous()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    detector = BF16ChangeDetector(model, optimizer, host_mirror=mirrored)
+    before = bf16_state(model)
+    for seed in range(3):
+        x = torch.randn(8, 40, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+        model(x).float().pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        after = bf16_state(model)
+        assert_exact(detector.changes(), before, after)
+        before = after
+    detector.close()

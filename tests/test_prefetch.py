@@ -4,6 +4,9 @@ over a real node snapshot and a local bucket."""
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import threading
 
 import pytest
 
@@ -81,6 +84,27 @@ def test_a_hint_prepares_at_once_and_a_failure_is_retried(stepwise, tmp_path, ca
         assert prefetcher.watched == [receiver.check_bucket(stepwise.root).url]
     finally:
         prefetcher.stop()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="only Linux gives a thread a nice value of its own")
+def test_the_prefetch_thread_yields_the_cores_to_the_server(stepwise, tmp_path):
+    receiver, _ = node_worker(tmp_path / "snapshots")
+    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    prefetcher = Prefetcher(receiver, interval=3600, niceness=5)
+    prefetcher.start()
+    try:
+        wait_for(
+            lambda: (
+                prefetcher.native_id is not None
+                and os.getpriority(os.PRIO_PROCESS, prefetcher.native_id) == min(19, caller + 5)
+            ),
+            "the prefetch thread's nice value raised by 5",
+        )
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller  # the rest keep theirs
+    finally:
+        prefetcher.stop()
+    with pytest.raises(ValueError, match="niceness must be in 0-19"):
+        Prefetcher(receiver, niceness=20)
 
 
 def test_a_private_snapshot_is_not_prefetched(stepwise):

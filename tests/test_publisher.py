@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from delta_sync import BF16ChangeDetector, LocalBucket, Publisher, read_file
 from delta_sync.changes import Encoding
@@ -367,3 +368,35 @@ def test_publisher_takes_options_and_keywords_on_top_of_them(tmp_path):
     with pytest.raises(TypeError, match="anchor_evry"):
         Publisher(tmp_path, detector, anchor_evry=2)
     detector.close()
+
+
+def test_anchors_and_compact_deltas_read_from_a_host_mirror_are_the_same_files(tmp_path):
+    """A detector with a host mirror hands the writer the mirror, not the snapshot: every
+    anchor and compact delta holds the same tensors as without one, and a replica replays
+    each version bit for bit."""
+    stored = {}
+    for mirrored in (False, True):
+        torch.manual_seed(0)
+        model = TwoTower(torch.float32)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        detector = BF16ChangeDetector(model, optimizer, host_mirror=mirrored)
+        assert (detector.mirror is not None) == mirrored
+        root = tmp_path / f"mirrored-{mirrored}"
+        publisher = Publisher(
+            root, detector, anchor_every=3, keep_anchors=10, background=False, encoding="compact", run_id="run"
+        )
+        replica, replica_model = replica_receiver()
+        for version in range(1, 6):
+            train_step(model, optimizer, seed=version)
+            publisher.publish(version)
+            assert replica.update(root).version == version
+            assert_bit_exact(bf16_state(model), bf16_state(replica_model))
+        publisher.close()
+        detector.close()
+        stored[mirrored] = {path.relative_to(root): load_file(path) for path in sorted(root.glob("*/*.safetensors"))}
+    assert sorted(stored[True]) == sorted(stored[False])
+    assert {path.parts[0] for path in stored[True]} == {"anchors", "deltas"} and len(stored[True]) >= 5
+    for path, tensors in stored[True].items():
+        assert sorted(tensors) == sorted(stored[False][path]), path
+        for name, tensor in tensors.items():  # the bytes of every tensor: bf16 weights, compact streams
+            assert torch.equal(tensor.view(torch.uint8), stored[False][path][name].view(torch.uint8)), (path, name)

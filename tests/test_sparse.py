@@ -151,4 +151,8 @@ def test_the_batched_torch_path_finds_exactly_what_the_compiled_pass_finds():
     )
     assert none is None and positions.tolist() == [3 * 32 + 5] and new.tolist() == [1.5]
     assert snapshot[3, 5] == 1.5 and old.item() != 1.5
+    # Without the old values (a host mirror has them), the rest is the same.
+    current[4, 6] = 2.5
+    ((positions, new, old),) = extract_changes_batched_([(current, snapshot, torch.int64)], old_values=False)
+    assert positions.tolist() == [4 * 32 + 6] and new.tolist() == [2.5] and old is None and snapshot[4, 6] == 2.5
     assert extract_changes_batched_([]) == []

@@ -717,7 +717,7 @@ def fault_server(served_model, bucket_root, tmp_path_factory):
 
 
 IN_PLACE_LINE = re.compile(
-    r"wrote ([1-9]\d*) tensor\(s\) in place \(([1-9]\d*) changed elements\), reloaded (\d+) whole"
+    r"wrote ([1-9]\d*) tensor\(s\) in place \(([1-9]\d*) changed elements\), (\d+) rewritten whole, reloaded (\d+) whole"
 )
 
 
@@ -747,11 +747,14 @@ def publish_large_edit(trainer: TinyTrainer, names: list[str] | None = None) -> 
     return trainer.publish()
 
 
-@pytest.mark.parametrize(("calls_before", "stage"), [(1, "patches"), (0, "whole tensors")])
-def test_a_load_failing_midway_leaves_the_old_version_served(fault_server, trainer, calls_before, stage):
-    """The failure hits after vLLM wrote some tensors: while it writes the patches in place
-    (after the linear layers were reloaded whole), or midway through the whole-tensor reload
-    (inside the fused qkv layer)."""
+@pytest.mark.parametrize(
+    ("stage", "fault"),
+    [("patches", {"direct": True, "tensors": 2}), ("whole tensors", {"calls_before": 0, "tensors": 2})],
+)
+def test_a_load_failing_midway_leaves_the_old_version_served(fault_server, trainer, stage, fault):
+    """The failure hits after some tensors were written: while the changed elements are
+    written in place (after the linear layers were reloaded whole), or midway through the
+    whole-tensor reload (inside the fused qkv layer)."""
     trainer.step()
     trainer.step()
     assert fault_server.update(trainer.bucket, anchor_path(1)).status_code == 200
@@ -768,15 +771,15 @@ def test_a_load_failing_midway_leaves_the_old_version_served(fault_server, train
 
     armed = fault_server.post(
         "/collective_rpc",
-        json={"method": "delta_sync_fail_next_load", "kwargs": {"calls_before": calls_before, "tensors": 2}},
+        json={"method": "delta_sync_fail_next_load", "kwargs": fault},
     )
     assert armed.status_code == 200, armed.text
     response = fault_server.update(trainer.bucket, delta_path(target))
     (fault,) = fault_server.rpc("delta_sync_load_fault")
     assert response.status_code >= 400 and fault["error"] and fault["error"] in response.text, (fault, response.text)
-    assert not fault["armed"] and fault["calls_passed"] == calls_before and len(fault["written"]) == 2, fault
+    assert not fault["armed"] and len(fault["written"]) == 2, fault
     if stage == "patches":
-        # vLLM's patch loader had written new values in place when the load failed.
+        # New values had been written in place when the load failed.
         assert fault["written"] == ["lm_head.weight", "model.embed_tokens.weight"], fault
         assert fault["changed_before_failure"] == fault["written"], fault
     else:
@@ -815,20 +818,21 @@ def test_in_place_patches_change_what_the_server_computes(fault_server, trainer)
     logged = len(fault_server.log_tail(10**9))
     assert fault_server.update(trainer.bucket, delta_path(2)).status_code == 200
     line = IN_PLACE_LINE.search(fault_server.log_tail(10**9)[logged:])
-    assert line and line.group(1, 3) == (str(len(plain)), "0"), line
+    assert line and line.group(1, 3, 4) == (str(len(plain)), "0", "0"), line
     after = torch.tensor(fault_server.prompt_logprobs(PROMPT))
     assert (after - before).abs().max() > 0.1, "the edit did not move the server's output"
     assert (after - prompt_logprobs(trainer.reference(), PROMPT)).abs().max() < 1e-3
     assert set(plain) <= set(unpacked_checksums_match(fault_server, trainer))
 
 
-def test_a_changed_value_that_is_nan_takes_the_whole_tensor_path(fault_server, trainer):
-    """The patch loader reads NaN as "unchanged": a tensor whose new values hold a NaN is
-    reloaded whole (and written in place again once its NaN is gone)."""
+def test_a_changed_value_that_is_nan_is_written_as_nan(fault_server, trainer):
+    """vLLM's patch loader reads NaN as "unchanged", so a changed value that is NaN must not
+    go through it: weights written straight into their runtime range take it as any other
+    value, and vLLM's digest of the tensor holds the NaN's bits."""
     norm, embed = "model.norm.weight", "model.embed_tokens.weight"
     trainer.publish()
     assert fault_server.update(trainer.bucket, anchor_path(1)).status_code == 200
-    for value, expected in ((float("nan"), ("1", "1")), (0.5, ("2", "0"))):
+    for value in (float("nan"), 0.5):
         with torch.no_grad():
             trainer.model.get_parameter(norm)[3] = value
             trainer.model.get_parameter(norm)[5] += 1.0
@@ -839,8 +843,123 @@ def test_a_changed_value_that_is_nan_takes_the_whole_tensor_path(fault_server, t
         response = fault_server.update(trainer.bucket, delta_path(version))
         assert response.status_code == 200, response.text
         line = IN_PLACE_LINE.search(fault_server.log_tail(10**9)[logged:])
-        assert line and line.group(1, 3) == expected, line  # (tensors written in place, reloaded whole)
+        # (tensors patched in place, written whole into their own tensors, reloaded whole)
+        assert line and line.group(1, 3, 4) == ("2", "0", "0"), line
         assert fault_server.status()["model_checksum"] == trainer.checksum()
         # vLLM's own digest of the norm holds the NaN's bits (or the value that replaced it).
         assert {norm, embed} <= set(unpacked_checksums_match(fault_server, trainer))
     assert fault_server.greedy(PROMPT) == greedy(trainer.reference(), PROMPT)
+
+
+# -- a server in bf16: linear layers the CPU backend keeps as plain tensors ------------------------
+
+#: vLLM's fused modules and the checkpoint modules they hold, in order (Qwen3).
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+@pytest.fixture(scope="module")
+def bf16_server(served_model, bucket_root, tmp_path_factory):
+    from vllm_server import serving
+
+    with serving(
+        served_model, tmp_path_factory.mktemp("vllm-bf16"), allowed_buckets=bucket_root.as_uri(), dtype="bfloat16"
+    ) as server:
+        yield server
+
+
+def runtime_digests(weights: dict[str, torch.Tensor]) -> dict[str, str]:
+    """The SHA-256 of each tensor a bf16 server holds, from checkpoint weights: a fused
+    module's tensor is its shards' tensors stacked in vLLM's order."""
+    digests = {
+        name: hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest() for name, t in weights.items()
+    }
+    for name in weights:
+        for fused, shards in FUSED.items():
+            if f".{shards[0]}." in name:
+                stacked = torch.cat([weights[name.replace(f".{shards[0]}.", f".{shard}.")] for shard in shards])
+                digests[name.replace(f".{shards[0]}.", f".{fused}.")] = hashlib.sha256(
+                    stacked.contiguous().view(torch.uint8).numpy()
+                ).hexdigest()
+    return digests
+
+
+def test_a_server_keeping_linear_layers_plain_patches_every_changed_element_where_it_lives(bf16_server, trainer):
+    """Where vLLM keeps a linear layer's weight as a plain tensor (a GPU; the CPU backend in
+    bf16 when the CPU has no bf16 matrix kernels for oneDNN), every changed element is
+    written in place, fused qkv and gate_up shards included, and nothing goes through the
+    layerwise reload; vLLM's digest of every tensor it holds equals the trainer's."""
+    logged = len(bf16_server.log_tail(10**9))
+    trainer.step()
+    assert bf16_server.update(trainer.bucket, anchor_path(1)).status_code == 200
+    for _ in range(2):
+        version = trainer.step()
+        response = bf16_server.update(trainer.bucket, delta_path(version))
+        assert response.status_code == 200, response.text
+        status = bf16_server.status()
+        assert status["version"] == version and status["model_checksum"] == trainer.checksum()
+        expected = runtime_digests(trainer.bf16())
+        served = bf16_server.weight_checksums()
+        plain = {name for name, digest in served.items() if digest != EMPTY_SHA256}
+        assert plain, "the server reports no tensor"
+        for name in plain:
+            assert served[name] == expected[name], f"{name} differs on the server"
+    log = bf16_server.log_tail(10**9)[logged:]
+    loads = IN_PLACE_LINE.findall(log)
+    assert len(loads) == 2, log[-3000:]
+    if plain >= set(expected) & set(served):  # every linear layer is a plain tensor on this machine
+        assert "self_attn.qkv_proj.weight" in " ".join(plain)
+        # (patched, changed elements, rewritten whole, reloaded whole) per delta
+        assert all(load[2:] == ("0", "0") for load in loads), loads
+        assert all(int(load[0]) >= 7 for load in loads), loads  # q, k, v, o, gate, up, down at least
+
+
+# -- a model whose lm_head is tied to its embedding ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tied_model(served_model, tmp_path_factory):
+    """The served tiny model with `lm_head` tied to the embedding (as in Qwen3-0.6B): the
+    checkpoint holds `model.embed_tokens.weight` only."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tmp_path_factory.mktemp("tied-model")
+    model = AutoModelForCausalLM.from_pretrained(served_model, dtype=torch.bfloat16)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(served_model).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tied_server(tied_model, bucket_root, tmp_path_factory):
+    from vllm_server import serving
+
+    with serving(tied_model, tmp_path_factory.mktemp("vllm-tied"), allowed_buckets=bucket_root.as_uri()) as server:
+        yield server
+
+
+def test_a_tied_lm_head_computes_with_the_embedding_just_written(tied_server, tied_model, bucket_root):
+    """The CPU backend computes a tied `lm_head` with a packed copy of the embedding's
+    weight: written in place, the embedding must be packed again for `lm_head`, or the
+    server's logits stay those of the old weights."""
+    trainer = TinyTrainer(tied_model, bucket_root / "tied")
+    try:
+        assert "lm_head.weight" not in dict(trainer.model.named_parameters())
+        trainer.publish()
+        assert tied_server.update(trainer.bucket, anchor_path(1)).status_code == 200
+        before = torch.tensor(tied_server.prompt_logprobs(PROMPT))
+        with torch.no_grad():
+            trainer.model.get_parameter("model.embed_tokens.weight")[:64] *= -3.0
+        trainer.detector.mark_changed(["model.embed_tokens.weight"])
+        trainer.publish()
+        logged = len(tied_server.log_tail(10**9))
+        assert tied_server.update(trainer.bucket, delta_path(2)).status_code == 200
+        line = IN_PLACE_LINE.search(tied_server.log_tail(10**9)[logged:])
+        assert line and line.group(1, 3, 4) == ("1", "0", "0"), line
+        after = torch.tensor(tied_server.prompt_logprobs(PROMPT))
+        assert (after - before).abs().max() > 0.1, "the edit did not move the server's output"
+        assert (after - prompt_logprobs(trainer.reference(), PROMPT)).abs().max() < 1e-3
+        assert tied_server.greedy(PROMPT) == greedy(trainer.reference(), PROMPT)
+    finally:
+        trainer.close()

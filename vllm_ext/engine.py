@@ -17,8 +17,10 @@ The engine only maps vLLM's session onto a `delta_sync.Receiver`'s lifecycle:
 vLLM runs all three inside its engine loop, so nothing generates while they run: the
 engine's prefetch thread ([`make_prefetcher`]) downloads, checks and applies new versions
 to the node snapshot beforehand, while the server generates, and `update_weights` then
-finds them prepared. Only `finish_weight_update` touches the model, through vLLM's layerwise-reload lifecycle (the CPU backend repacks
-linear layers after loading, so a plain `load_weights` into them fails). A session is all
+finds them prepared. Only `finish_weight_update` touches the model, through
+[`vllm_ext.loader.ModelLoader`]: the changed elements where vLLM keeps plain tensors,
+whole layers through vLLM's layerwise-reload lifecycle where it does not (the CPU backend
+repacks linear layers after loading, so a plain `load_weights` into them fails). A session is all
 or nothing: if any `update_weights` fails, the files of the whole session are undone
 and the model keeps serving what it served.
 
@@ -36,7 +38,6 @@ from dataclasses import InitVar, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors import safe_open
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
@@ -48,11 +49,11 @@ from vllm.logger import init_logger
 from delta_sync.control import ALLOWED_BUCKETS_ENV, PREFETCH_ENV, SNAPSHOT_DIR_ENV, UpdateInfo
 from delta_sync.errors import DeltaSyncError
 from delta_sync.replica.prefetch import Prefetcher
-from delta_sync.replica.receiver import Receiver, WeightPatch
+from delta_sync.replica.receiver import Receiver
 from delta_sync.replica.shared import NodeStore
-from delta_sync.replica.staging import stage_patches
 from delta_sync.storage.cache import default_cache_dir
 
+from .loader import ModelLoader, packed_modules
 from .logs import route_delta_sync_logs
 
 __all__ = ["DeltaInitInfo", "DeltaUpdateInfo", "DeltaWeightTransferEngine"]
@@ -127,7 +128,7 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
             load_together=self._with_fused_shards,
         )
         self.prefetcher = make_prefetcher(self.receiver, allowed or [])
-        self.loader = ModelLoader(model, self.model_config)
+        self.loader = ModelLoader(model, self.model_config, shapes=self.receiver.expected_shapes)
         from .worker import end_sessions_whose_finish_fails  # the worker module imports this one
 
         end_sessions_whose_finish_fails()
@@ -215,6 +216,22 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
         if self.prefetcher is not None:
             self.prefetcher.stop()
 
+    # -- LoRA adapters (adapter mode) -------------------------------------------------------
+
+    def fetch_adapter(self, bucket: str, version: int | None = None) -> dict[str, Any]:
+        """Fetch an adapter version of `bucket` into the download cache, checked as the
+        receiver checks versions (`delta_sync.replica.adapter.AdapterFetcher`); returns an
+        `AdapterStatus` dict whose `path` vLLM's `/v1/load_lora_adapter` then loads."""
+        from delta_sync.replica.adapter import AdapterFetcher
+
+        fetcher = self.__dict__.get("_adapter_fetcher")
+        if fetcher is None:
+            fetcher = self._adapter_fetcher = AdapterFetcher(self.receiver)
+        try:
+            return fetcher.fetch(bucket, version).to_dict()
+        except DeltaSyncError as exc:
+            raise RuntimeError(f"delta-sync refused the adapter: {type(exc).__name__}: {exc}") from exc
+
     # -- helpers ----------------------------------------------------------------------------
 
     def _abort_session(self) -> None:
@@ -224,11 +241,13 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
             logger.warning("delta-sync: update session aborted; still serving version %s", self.receiver.version)
 
     def _with_fused_shards(self, names: set[str]) -> set[str]:
-        """Add the sibling shards of fused modules: vLLM rebuilds a fused layer (qkv,
-        gate_up) from all its shards, and fills absent ones with uninitialised memory."""
+        """Add the sibling shards of fused modules reloaded whole: vLLM rebuilds such a
+        layer (qkv, gate_up) from all its shards, and fills absent ones with uninitialised
+        memory. A shard written where it lives needs none."""
         complete = set(names)
         held = self.receiver.expected_shapes or self.receiver.weights
-        for name in names:
+        writable = self.loader.writable()
+        for name in names - writable.keys():
             parts = name.split(".")
             for i, part in enumerate(parts):
                 for sibling in self._fused.get(part, ()):
@@ -236,149 +255,6 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
                     if candidate in held:
                         complete.add(candidate)
         return complete
-
-
-class ModelLoader:
-    """Loads versions into the served model (the receiver's `load_weights`, a
-    `PatchingWeightLoader`): the changed elements of a parameter vLLM keeps as a plain
-    tensor are written in place, through vLLM's checkpoint patch loader (checkpoint names,
-    so tensor-parallel slices, padded vocabularies and the model's own name mapping are
-    vLLM's); every other parameter is reloaded whole, through vLLM's layerwise-reload
-    lifecycle. Reloaded whole: parameters with no runtime tensor of their own (fused qkv and
-    gate_up shards), the linear layers the CPU backend prepacks (their `weight` is empty),
-    and any patch whose new values hold a NaN, which the patch loader reads as "unchanged".
-    A layer the CPU backend computes with a packed copy of a `weight` it keeps (`lm_head`)
-    is patched in place and then packed again from it.
-
-    Args:
-        model: The served model.
-        model_config: vLLM's model config (for the layerwise reload).
-    """
-
-    def __init__(self, model: torch.nn.Module, model_config: Any) -> None:
-        self.model = model
-        self.model_config = model_config
-        self._in_place: set[str] | None = None
-        self._patch_device: torch.device | None = None
-        self._repacked: dict[str, torch.nn.Module] = {}
-
-    def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """Reload `weights` whole (fused shards already completed by `load_together`)."""
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
-        try:
-            self.model.load_weights(iter(weights))
-        finally:
-            # Always leave the model runnable: a half-finished reload crashes the next request.
-            finalize_layerwise_reload(self.model, self.model_config)
-
-    def load_patches(self, patches: list[WeightPatch]) -> None:
-        """Write what changed: in place where the parameter allows it, whole otherwise."""
-        in_place = self.in_place_names()
-        # The new values at the changed positions, gathered once: checked for the patch
-        # loader's NaN sentinel, then handed to it.
-        sparse: dict[str, tuple[WeightPatch, torch.Tensor]] = {}
-        for patch in patches:
-            if patch.positions is not None and patch.name in in_place:
-                values = patch.tensor.reshape(-1)[patch.positions]
-                if not bool(torch.isnan(values).any()):
-                    sparse[patch.name] = (patch, values)
-        whole = [(patch.name, patch.tensor) for patch in patches if patch.name not in sparse]
-        if whole:
-            self(whole)
-        if sparse:
-            self._write_in_place(sparse)
-        logger.info(
-            "delta-sync: wrote %d tensor(s) in place (%d changed elements), reloaded %d whole",
-            len(sparse),
-            sum(values.numel() for _, values in sparse.values()),
-            len(whole),
-        )
-
-    def _write_in_place(self, sparse: dict[str, tuple[WeightPatch, torch.Tensor]]) -> None:
-        """Hand the patches to vLLM's checkpoint patch loader; on a CUDA model their
-        positions and values cross in two pinned buffers, and the load ends with one
-        synchronisation (so that a failed write fails this call, which rolls back)."""
-        from vllm.model_executor.model_loader.checkpoint_weight_patch import (
-            CheckpointWeightPatch,
-            load_checkpoint_weight_patches,
-        )
-
-        changes = {name: (patch.positions, values) for name, (patch, values) in sparse.items()}
-        device = self.patch_device()
-        if device is not None:
-            changes = {
-                name: (staged.positions, staged.values) for name, staged in stage_patches(changes, device).items()
-            }
-        load_checkpoint_weight_patches(
-            self.model,
-            [
-                CheckpointWeightPatch(
-                    name=name,
-                    shape=tuple(patch.tensor.shape),
-                    dtype=patch.tensor.dtype,
-                    values=changes[name][1],
-                    indices=changes[name][0],
-                )
-                for name, (patch, _) in sparse.items()
-            ],
-            validate_unique_indices=False,  # positions are unique and sorted by construction
-        )
-        repacked = [module for name, module in self._repacked.items() if name in sparse]
-        if repacked:
-            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-            for module in repacked:
-                dispatch_cpu_unquantized_gemm(module, remove_weight=False)
-        if device is not None:
-            torch.cuda.current_stream(device).synchronize()
-
-    def patch_device(self) -> torch.device | None:
-        """The CUDA device the in-place parameters live on, or None on any other (the CPU:
-        the patches are used where they are)."""
-        self.in_place_names()
-        return self._patch_device
-
-    def in_place_names(self) -> set[str]:
-        """Checkpoint names whose changed elements can be written in place: those the
-        model keeps as a plain, non-empty floating-point tensor under the same name."""
-        if self._in_place is None:
-            runtime = dict(self.model.named_parameters())
-            self._in_place = {
-                name for name, param in runtime.items() if param.numel() > 0 and param.dtype in _PLAIN_DTYPES
-            }
-            try:
-                import vllm.model_executor.model_loader.checkpoint_weight_patch  # noqa: F401
-            except ImportError:  # vLLM before 0.29: no patch loader
-                logger.info("delta-sync: this vLLM has no checkpoint patch loader: every tensor is reloaded whole")
-                self._in_place = set()
-            logger.info(
-                "delta-sync: %d parameter(s) are written in place when they change (%s); the others are reloaded whole",
-                len(self._in_place),
-                ", ".join(sorted(self._in_place)[:4]) + (", ..." if len(self._in_place) > 4 else ""),
-            )
-            # The CPU backend computes an embedding-style layer's output (lm_head) with a
-            # copy of `weight` it packed at load time, and keeps `weight` itself: written in
-            # place, such a layer is packed again from it or it would compute with old values.
-            modules = {name: self.model.get_submodule(name.rpartition(".")[0]) for name in self._in_place}
-            self._repacked = {name: module for name, module in modules.items() if hasattr(module, "cpu_linear")}
-            if self._repacked:
-                logger.info(
-                    "delta-sync: %d of them are packed again after an in-place write (the CPU backend "
-                    "computes with a packed copy): %s",
-                    len(self._repacked),
-                    ", ".join(sorted(self._repacked)[:4]) + (", ..." if len(self._repacked) > 4 else ""),
-                )
-            devices = {runtime[name].device for name in self._in_place}
-            if len(devices) == 1 and (device := devices.pop()).type == "cuda":
-                self._patch_device = device
-                logger.info("delta-sync: patches cross to %s in pinned buffers, one copy each per update", device)
-        return self._in_place
-
-
-#: Dtypes of parameters that are not quantized: the patch loader writes these element-wise.
-_PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def make_receiver(shapes: dict[str, tuple[int, ...]] | None, **kwargs) -> Receiver:
@@ -440,8 +316,7 @@ def allowed_buckets_from_env() -> list[str] | None:
 
 def fused_shards(model) -> dict[str, tuple[str, ...]]:
     """Checkpoint module name -> all shards of the fused vLLM module it belongs to."""
-    mapping = getattr(type(model), "packed_modules_mapping", None) or getattr(model, "packed_modules_mapping", {})
-    return {shard: tuple(shards) for shards in mapping.values() for shard in shards}
+    return {shard: tuple(shards) for shards in packed_modules(model).values() for shard in shards}
 
 
 def checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]] | None:

@@ -77,6 +77,20 @@ class DeltaWorkerExtension:
         engine.hint(bucket)
         return {"prefetching": engine.prefetcher is not None, **self.delta_sync_status()}
 
+    def delta_sync_fetch_adapter(self, bucket: str, version: int | None = None) -> dict[str, Any]:
+        """Fetch an adapter version (adapter mode) of `bucket` into this worker's download
+        cache (`delta_sync.control.FETCH_ADAPTER_METHOD`), checked like every version.
+
+        Args:
+            bucket: A bucket URL on the allow list.
+            version: The version; None: the one its `latest.json` names.
+
+        Returns:
+            A `delta_sync.control.AdapterStatus` as a dict: `version`, `run_id`, `epoch`,
+            `path` (the directory to pass to `/v1/load_lora_adapter`) and `model_checksum`.
+        """
+        return self._delta_engine().fetch_adapter(bucket, version)
+
     def _delta_engine(self) -> DeltaWeightTransferEngine:
         engine = getattr(self, "weight_transfer_engine", None)
         if not isinstance(engine, DeltaWeightTransferEngine):

@@ -42,6 +42,10 @@ from ..version import HeldVersion, VersionId
 __all__ = [
     "ALLOWED_BUCKETS_ENV",
     "API_TOKEN_ENV",
+    "FETCH_ADAPTER_METHOD",
+    "LOAD_LORA_ROUTE",
+    "MODELS_ROUTE",
+    "AdapterStatus",
     "PREFETCH_ENV",
     "PREFETCH_METHOD",
     "STATUS_METHOD",
@@ -343,3 +347,69 @@ def _status_field(data: Mapping[str, Any], key: str, kinds: tuple[type, ...]) ->
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         raise ValueError(f"replica status field {key!r} has the wrong type: {value!r}")
     return value
+
+
+# -- adapter mode: a PEFT LoRA adapter per version, loaded through vLLM's LoRA support ----------
+
+#: The worker-extension method that fetches an adapter version into the download cache
+#: (`{"method": FETCH_ADAPTER_METHOD, "kwargs": {"bucket": URL, "version": N or None}}`):
+#: each worker answers an [`AdapterStatus`] of the local directory.
+FETCH_ADAPTER_METHOD = "delta_sync_fetch_adapter"
+
+#: vLLM's routes that load an adapter under a name (`{"lora_name", "lora_path",
+#: "load_inplace"}`, needs `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`) and list what it serves.
+LOAD_LORA_ROUTE = "/v1/load_lora_adapter"
+MODELS_ROUTE = "/v1/models"
+
+# A fetched adapter version's directory ends `<run_id>/<epoch>/step_<version>` (see
+# [`AdapterStatus.local_name`]), so the path vLLM reports for a loaded adapter (`/v1/models`'
+# `root`) says which version of which run it is.
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+@dataclass(frozen=True)
+class AdapterStatus:
+    """An adapter version on a replica: fetched into `path`, or loaded from it.
+
+    Args:
+        version: The version.
+        run_id: Its run.
+        epoch: Its run's start ("" for none).
+        path: The local directory vLLM loads it from.
+        model_checksum: SHA-256 of its `adapter_model.safetensors` (what `latest.json`
+            records for an adapter version); None when only the path is known.
+    """
+
+    version: int
+    run_id: str
+    epoch: str
+    path: str
+    model_checksum: str | None = None
+
+    @staticmethod
+    def local_name(run_id: str, epoch: str, version: int) -> str:
+        """The last three components of the directory a version of a run is fetched into."""
+        return f"{_UNSAFE.sub('_', run_id) or '_'}/{_UNSAFE.sub('_', epoch) or '_'}/step_{version:08d}"
+
+    @staticmethod
+    def is_version(path: str, run_id: str, epoch: str, version: int) -> bool:
+        """Whether `path` (a loaded adapter's, from `/v1/models`) is the directory of that version."""
+        return path.rstrip("/").endswith("/" + AdapterStatus.local_name(run_id, epoch, version))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> AdapterStatus:
+        """Parse a worker's answer, strictly.
+
+        Raises:
+            ValueError: Not an adapter status (the message names the field).
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError(f"expected an adapter status object, got {data!r}")
+        kinds = {"version": int, "run_id": str, "epoch": str, "path": str, "model_checksum": str}
+        for key, kind in kinds.items():
+            if type(data.get(key)) is not kind:
+                raise ValueError(f"adapter status field {key!r} must be {kind.__name__}, got {data.get(key)!r}")
+        return cls(**{key: data[key] for key in kinds})

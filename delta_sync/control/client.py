@@ -11,21 +11,35 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
 from ..errors import ReplicaError
 from ..layout import parse_step_path
 from ..retry import RetryPolicy
-from . import API_TOKEN_ENV, PREFETCH_METHOD, STATUS_METHOD, TOKEN_HEADER, ReplicaStatus, Route, UpdateInfo
+from . import (
+    API_TOKEN_ENV,
+    FETCH_ADAPTER_METHOD,
+    LOAD_LORA_ROUTE,
+    MODELS_ROUTE,
+    PREFETCH_METHOD,
+    STATUS_METHOD,
+    TOKEN_HEADER,
+    AdapterStatus,
+    ReplicaStatus,
+    Route,
+    UpdateInfo,
+)
 
 __all__ = ["PauseMode", "Replica", "ReplicaOptions"]
 
 logger = logging.getLogger("delta_sync")
+
+T = TypeVar("T")
 
 #: HTTP answers that may go away by themselves (a busy or restarting server, a proxy timeout).
 _TRANSIENT_STATUS = frozenset({408, 429, 502, 503, 504})
@@ -329,26 +343,95 @@ class Replica:
         return replace(first, updating=any(status.updating for status in statuses))
 
     def _parse_statuses(self, results: Any) -> list[ReplicaStatus]:
+        return self._parse_results(results, STATUS_METHOD, ReplicaStatus.from_dict)
+
+    def _parse_results(self, results: Any, method: str, parse: Callable[[Any], T]) -> list[T]:
+        """Each worker's answer to a `/collective_rpc` of `method`, parsed by `parse`."""
         try:
             if not isinstance(results, list) or not results:
-                raise ValueError(f"expected one status per worker, got {results!r}")
-            return [ReplicaStatus.from_dict(result) for result in results]
+                raise ValueError(f"expected one answer per worker, got {results!r}")
+            return [parse(result) for result in results]
         except ValueError as exc:
             raise ReplicaError(
-                f"{self.url}: {STATUS_METHOD} answered {exc}; is vllm_ext loaded?",
+                f"{self.url}: {method} answered {exc}; is vllm_ext loaded?",
                 url=self.url,
                 route=Route.COLLECTIVE_RPC,
             ) from exc
 
+    # -- adapter mode -------------------------------------------------------------------------
+
+    def load_adapter(self, bucket: str, name: str, *, version: int | None = None) -> AdapterStatus:
+        """Serve an adapter version (adapter mode) under `name`: every worker fetches and
+        checks it ([`FETCH_ADAPTER_METHOD`]), then vLLM loads it in place of the adapter
+        `name` served before (`/v1/load_lora_adapter` with `load_inplace`). Requests that
+        name `name` as their `model` use it from then on.
+
+        The server must run with `--enable-lora --max-lora-rank R` (R at least the
+        adapter's rank) and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`.
+
+        Args:
+            bucket: The bucket URL, as the replica resolves it.
+            name: The adapter's name on the server (vLLM's `lora_name`).
+            version: The version; None: the one `latest.json` names.
+
+        Returns:
+            The version loaded and its local directory.
+
+        Raises:
+            ReplicaError: The replica refused the adapter (the message says why), could
+                not be reached, or its workers fetched different versions.
+        """
+        answer = self._post(
+            Route.COLLECTIVE_RPC,
+            json={"method": FETCH_ADAPTER_METHOD, "kwargs": {"bucket": bucket, "version": version}},
+        )
+        fetched = self._parse_results(answer.get("results"), FETCH_ADAPTER_METHOD, AdapterStatus.from_dict)
+        first = fetched[0]
+        if any(status != first for status in fetched):
+            raise ReplicaError(
+                f"{self.url}: workers fetched different adapter versions: {[s.to_dict() for s in fetched]}",
+                url=self.url,
+                route=Route.COLLECTIVE_RPC,
+            )
+        self._post(
+            LOAD_LORA_ROUTE,
+            json={"lora_name": name, "lora_path": first.path, "load_inplace": True},
+            expect_json=False,
+        )
+        return first
+
+    def adapter_status(self, name: str) -> AdapterStatus | None:
+        """The adapter the server serves under `name` (from vLLM's `/v1/models`), as far as
+        its path tells (no `model_checksum`); None when it serves none by that name, or one
+        that was not fetched from a bucket.
+
+        Raises:
+            ReplicaError: The replica could not be reached.
+        """
+        listing = self._post(MODELS_ROUTE, method="GET")
+        for card in listing.get("data") or []:
+            if isinstance(card, dict) and card.get("id") == name and isinstance(card.get("root"), str):
+                return _loaded_adapter(card["root"])
+        return None
+
     # -- one request --------------------------------------------------------------------------
 
-    def _post(self, route: str, *, json: dict[str, Any] | None = None, params: dict[str, str] | None = None) -> dict:
-        """POST to `route`, retrying transient failures; the answer's JSON object ({} if empty)."""
+    def _post(
+        self,
+        route: str,
+        *,
+        json: dict[str, Any] | None = None,
+        params: dict[str, str] | None = None,
+        expect_json: bool = True,
+        method: str = "POST",
+    ) -> dict:
+        """POST (or `method`) to `route`, retrying transient failures; the answer's JSON
+        object ({} if empty, or when not `expect_json`: vLLM's adapter routes answer plain text)."""
 
         def send() -> dict:
-            response = self._http.post(route, json=json, params=params)
+            response = self._http.request(method, route, json=json, params=params)
             response.raise_for_status()
-            return response.json() if response.content else {}
+            return response.json() if response.content and expect_json else {}
 
         return self.retry.call(
             send,
@@ -371,6 +454,14 @@ class Replica:
                 server_message=message,
             )
         return ReplicaError(f"{self.url}{route}: {type(exc).__name__}: {exc}", url=self.url, route=route)
+
+
+def _loaded_adapter(path: str) -> AdapterStatus | None:
+    """What a loaded adapter's directory says of its version (see `AdapterStatus.local_name`)."""
+    parts = path.rstrip("/").split("/")
+    if len(parts) < 3 or not parts[-1].startswith("step_") or not parts[-1][5:].isdigit():
+        return None
+    return AdapterStatus(int(parts[-1][5:]), parts[-3], "" if parts[-2] == "_" else parts[-2], path)
 
 
 def _server_message(response: httpx.Response) -> str:

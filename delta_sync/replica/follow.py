@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any
 
-from ..control import ReplicaStatus
+from ..control import AdapterStatus, ReplicaStatus
 from ..control.client import Replica, ReplicaOptions
 from ..errors import BucketFileNotFoundError, DeltaSyncError, ReplicaError
 from ..layout import LATEST, Latest
@@ -51,6 +51,11 @@ class Follower:
         max_backoff: Longest wait, in seconds, between polls that fail.
         options: How to talk to the server (a [`ReplicaOptions`]: `timeout`,
             `retry_seconds`, `pause_mode`, `headers`, `stale_session_seconds`, ...).
+        adapter_name: For a bucket published in adapter mode (`latest.json` names an
+            adapter): the name the server serves it under. Each new version is fetched and
+            loaded in place under it ([`Replica.load_adapter`]); what the server serves is
+            read from the adapter's path in `/v1/models`, so a restarted server, which
+            serves no adapter, is given the newest.
         **replica_options: Fields of [`ReplicaOptions`] to set on top of `options`.
 
     Example:
@@ -71,6 +76,7 @@ class Follower:
         interval: float = 5.0,
         max_backoff: float = 120.0,
         options: ReplicaOptions | None = None,
+        adapter_name: str | None = None,
         **replica_options: Any,
     ) -> None:
         if interval <= 0:
@@ -80,6 +86,7 @@ class Follower:
         self.bucket = open_bucket(bucket)
         self.replica = Replica(replica_url, options, **replica_options)
         self.interval = interval
+        self.adapter_name = adapter_name
         self.max_backoff = max_backoff
         #: The newest `latest.json` read, and the tag it was read with.
         self.latest: Latest | None = None
@@ -130,7 +137,7 @@ class Follower:
 
     # -- one poll -------------------------------------------------------------------------
 
-    def poll_once(self) -> ReplicaStatus | None:
+    def poll_once(self) -> ReplicaStatus | AdapterStatus | None:
         """Compare the server with `latest.json` once; catch the server up if they differ.
 
         Returns:
@@ -144,6 +151,8 @@ class Follower:
         latest = self._read_latest()
         if latest is None:
             return None
+        if latest.adapter is not None:
+            return self._poll_adapter(latest)
         served = self.replica.status()
         if not _behind(served, latest):
             return None
@@ -157,6 +166,39 @@ class Follower:
             status.run_id,
             status.model_checksum,
             served.version,
+            time.perf_counter() - started,
+        )
+        return status
+
+    def _poll_adapter(self, latest: Latest) -> AdapterStatus | None:
+        """Adapter mode: load `latest`'s adapter under `adapter_name` unless the server
+        serves it (or a newer version of its run) there already."""
+        if self.adapter_name is None:
+            raise ReplicaError(
+                f"{self.bucket.url}/{LATEST} names an adapter ({latest.adapter}): the bucket is published in "
+                "adapter mode; follow it with the name the server serves the adapter under "
+                "(Follower(adapter_name=...), `delta-sync follow --adapter-name NAME`)",
+                url=self.replica.url,
+            )
+        served = self.replica.adapter_status(self.adapter_name)
+        if served is not None and served.version >= latest.version:
+            if AdapterStatus.is_version(served.path, latest.run_id, latest.epoch, served.version):
+                return None
+        started = time.perf_counter()
+        status = self.replica.load_adapter(self.bucket.url, self.adapter_name, version=latest.version)
+        if status.version != latest.version or status.model_checksum != latest.model_checksum:
+            raise ReplicaError(
+                f"{self.replica.url}: fetched adapter v{status.version} ({status.model_checksum}) for "
+                f"{self.bucket.url}/{LATEST}, which names v{latest.version} ({latest.model_checksum})",
+                url=self.replica.url,
+            )
+        logger.info(
+            "delta-sync: %s serves adapter v%d of run %s as %r (was %s), loaded in %.2f s",
+            self.replica.url,
+            status.version,
+            status.run_id,
+            self.adapter_name,
+            "none" if served is None else f"v{served.version}",
             time.perf_counter() - started,
         )
         return status

@@ -20,6 +20,8 @@ Example:
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 
 from ..errors import BucketFileNotFoundError
@@ -40,19 +42,33 @@ class Prefetcher:
     retried at later polls, after waits that double from `interval` up to `max_backoff`;
     they never stop the thread. A bucket with no `latest.json` yet is skipped quietly.
 
+    The thread runs at a lower scheduling priority than the rest of the process (on
+    Linux, where a thread has a nice value of its own; the threads it starts inherit it):
+    on a machine whose cores the server's engine keeps busy, preparing a version then
+    takes the cores generation leaves idle rather than a share of those it uses.
+
     Args:
         receiver: The receiver whose snapshot to prepare; its store must be shared (a
             `NodeStore`).
         interval: Seconds between polls while all is well.
         max_backoff: Longest wait, in seconds, between polls that fail.
+        niceness: How much lower the thread's priority is than the process's (added to
+            its nice value, 0-19; 0 leaves it as it is).
     """
 
-    def __init__(self, receiver: Receiver, *, interval: float = 2.0, max_backoff: float = 60.0) -> None:
+    def __init__(
+        self, receiver: Receiver, *, interval: float = 2.0, max_backoff: float = 60.0, niceness: int = 10
+    ) -> None:
         if not interval > 0:
             raise ValueError(f"interval must be > 0, got {interval}")
+        if not 0 <= niceness <= 19:
+            raise ValueError(f"niceness must be in 0-19, got {niceness}")
         self.receiver = receiver
         self.interval = interval
         self.max_backoff = max(max_backoff, interval)
+        self.niceness = niceness
+        #: The polling thread's id in the operating system, once it runs.
+        self.native_id: int | None = None
         self._buckets: dict[str, Bucket] = {}
         self._tags: dict[str, str] = {}
         self._lock = threading.Lock()
@@ -107,6 +123,8 @@ class Prefetcher:
         return all([self._prefetch(bucket) for bucket in buckets])
 
     def _run(self) -> None:
+        self.native_id = threading.get_native_id()
+        self._lower_priority()
         delay = self.interval
         while not self._stopping.is_set():
             self._wake.wait(delay)
@@ -114,6 +132,15 @@ class Prefetcher:
             if self._stopping.is_set():
                 return
             delay = self.interval if self.poll_once() else min(2 * delay, self.max_backoff)
+
+    def _lower_priority(self) -> None:
+        if not self.niceness or not sys.platform.startswith("linux"):
+            return  # elsewhere a thread has no nice value of its own: it would lower the process's
+        try:
+            current = os.getpriority(os.PRIO_PROCESS, self.native_id)
+            os.setpriority(os.PRIO_PROCESS, self.native_id, min(19, current + self.niceness))
+        except OSError as exc:  # e.g. a sandbox that forbids it: prefetching still works
+            logger.info("delta-sync: cannot lower the prefetch thread's priority: %s", exc)
 
     def _prefetch(self, bucket: Bucket) -> bool:
         with self._lock:

@@ -13,6 +13,7 @@ from ..changes import Encoding
 from ..control.client import PauseMode, ReplicaOptions
 from ..errors import UnsupportedLayoutError
 from . import trl_vllm
+from .adapter import AdapterPublisher, PeftPublish
 from .detector import BF16ChangeDetector
 from .publisher import Publisher, PublisherOptions, PublishReport
 from .replicas import ReplicaSet
@@ -59,6 +60,10 @@ class DeltaSyncConfig:
         run_id: Identifier recorded in every file; random when None.
         snapshot_device: Where the detector keeps its bf16 snapshot (default: with the
             parameters). `"cpu"` saves accelerator memory at the cost of a copy per sync.
+        host_mirror: Keep a host copy of an accelerator snapshot, advanced from the
+            changes each sync brings back anyway, so anchors and compact deltas never copy
+            the snapshot off the device (2 bytes of host memory per parameter). None (the
+            default): whenever the snapshot is not on the CPU.
         overwrite: Delete another run's files found under `bucket` instead of refusing to
             start.
         vllm_url: Base URL(s) of vLLM servers (running `vllm_ext`) to update after every
@@ -93,6 +98,13 @@ class DeltaSyncConfig:
             `X-Delta-Sync-Token`; default: `DELTA_SYNC_API_TOKEN`, if set.
         vllm_headers: HTTP headers for every request to the replicas, e.g.
             `{"Authorization": "Bearer hf_..."}` for a private Space.
+        peft_publish: What a PEFT LoRA model is published as: `"merged"` (the base
+            checkpoint with the adapter merged, as anchors and deltas) or `"adapter"` (the
+            adapter itself per version, for `vllm serve --enable-lora`; see docs/peft.md).
+            A model that is no PEFT LoRA model is refused in adapter mode.
+        adapter_name: In adapter mode, the name replicas serve the adapter under (vLLM's
+            `lora_name`): requests name it as their `model`, as TRL's generation requests
+            then do.
     """
 
     # The publisher's and the replicas' defaults are theirs (`PublisherOptions`, `ReplicaOptions`).
@@ -105,6 +117,7 @@ class DeltaSyncConfig:
     max_pending: int = PublisherOptions.max_pending
     run_id: str | None = PublisherOptions.run_id
     snapshot_device: str | None = None
+    host_mirror: bool | None = None
     overwrite: bool = PublisherOptions.overwrite
     vllm_url: str | list[str] | None = None
     max_staleness: int = 0
@@ -118,6 +131,8 @@ class DeltaSyncConfig:
     signing_key: str | None = None
     bucket_id: str | None = PublisherOptions.bucket_id
     pointer_refresh: float | None = PublisherOptions.pointer_refresh
+    peft_publish: PeftPublish = PublisherOptions.peft_publish
+    adapter_name: str = "delta-sync-adapter"
 
     def __post_init__(self) -> None:
         if self.sync_every < 1:
@@ -127,6 +142,9 @@ class DeltaSyncConfig:
         # Checked once, here; option strings become their enums.
         self.encoding = self.publisher_options.encoding
         self.vllm_pause_mode = self.replica_options.pause_mode
+        self.peft_publish = self.publisher_options.peft_publish
+        if not isinstance(self.adapter_name, str) or not self.adapter_name.strip():
+            raise ValueError(f"adapter_name must be a non-empty string, got {self.adapter_name!r}")
 
     @property
     def publisher_options(self) -> PublisherOptions:
@@ -206,7 +224,7 @@ class DeltaSyncCallback(TrainerCallback):
             raise TypeError(f"unknown DeltaSyncCallback option(s) {unknown}; known: {sorted(known)}")
         self.config = config or DeltaSyncConfig(**kwargs)
         self.detector: BF16ChangeDetector | None = None
-        self.publisher: Publisher | None = None
+        self.publisher: Publisher | AdapterPublisher | None = None
         self.replicas: ReplicaSet | None = None
         self._vllm_generation: VLLMGeneration | None = None
         self._logged = 0
@@ -240,9 +258,14 @@ class DeltaSyncCallback(TrainerCallback):
             raise RuntimeError("DeltaSyncCallback needs the model and optimizer at train begin")
         config = self.config
         _refuse_independent_trainers(args, config.bucket)
+        if config.peft_publish == PeftPublish.ADAPTER:
+            self._begin_adapter_mode(state, model)
+            return
         # Every rank decides the layout (refusing any that cannot be published exactly) and
         # checks it against the others before anything is written.
-        self.detector = BF16ChangeDetector(model, optimizer, snapshot_device=config.snapshot_device)
+        self.detector = BF16ChangeDetector(
+            model, optimizer, snapshot_device=config.snapshot_device, host_mirror=config.host_mirror
+        )
         verify_across_ranks(self.detector.layout, self.detector.named_parameters())
         if not (self.detector.layout.sharded or state.is_world_process_zero):
             # Whole parameters (DDP, ZeRO-1/2): rank 0 publishes them alone.
@@ -318,7 +341,12 @@ class DeltaSyncCallback(TrainerCallback):
         """
         if self.publisher is None or self.replicas is None or self.publisher.last_version is None:
             return
-        self._wait_for_replicas(self.publisher.last_version - self.config.max_staleness)
+        target = self.publisher.last_version - self.config.max_staleness
+        if isinstance(self.publisher, AdapterPublisher):
+            # A server serves no adapter under the name before its first load (a request
+            # naming it fails): whatever the staleness, the first version must be there.
+            target = max(target, self.publisher.first_version)
+        self._wait_for_replicas(target)
 
     def _wait_for_replicas(self, version: int) -> None:
         assert self.replicas is not None and self.publisher is not None
@@ -340,11 +368,43 @@ class DeltaSyncCallback(TrainerCallback):
     # -- helpers --------------------------------------------------------------------------
 
     def _publish(self, version: int) -> None:
-        assert self.publisher is not None and self.detector is not None
+        assert self.publisher is not None
         last = self.publisher.last_version
-        if self.detector.steps_pending == 0 or (last is not None and version <= last):
+        if last is not None and version <= last:
+            return
+        if self.detector is not None and self.detector.steps_pending == 0:
             return  # no optimizer step since the last version (e.g. a skipped step)
         self.publisher.publish(version)
+
+    # -- adapter mode ---------------------------------------------------------------------
+
+    def _begin_adapter_mode(self, state: TrainerState, model) -> None:
+        """Publish the PEFT adapter itself (`delta_sync.trainer.adapter`): no detector; rank 0
+        publishes the whole adapter, first as it is now, since TRL generates before the
+        first optimizer step; replicas load it under `adapter_name`."""
+        config = self.config
+        if self._vllm_generation is not None:
+            # TRL's client names `model` in every generation request: the adapter's name
+            # routes them through the adapter (on every rank: each generates).
+            self._vllm_generation.vllm_client.model = config.adapter_name
+        if not state.is_world_process_zero:
+            return
+        self.publisher = AdapterPublisher(config.bucket, model, config.publisher_options, on_published=[self._announce])
+        urls = config.vllm_urls
+        if not urls and self._vllm_generation is not None:
+            urls = [self._vllm_generation.vllm_client.base_url]
+        if urls:
+            self.replicas = ReplicaSet(
+                urls, self.publisher.bucket.url, config.replica_options, adapter_name=config.adapter_name
+            )
+        logger.info(
+            "delta-sync: publishing the LoRA adapter to %s every %d step(s) (served as %r), run %s",
+            self.publisher.bucket.url,
+            config.sync_every,
+            config.adapter_name,
+            self.publisher.run_id,
+        )
+        self.publisher.publish(state.global_step)
 
     @property
     def reports(self) -> list[PublishReport]:

@@ -16,6 +16,7 @@ from ..parallel import parallel_map
 from ..sparse import extract_changes_, extract_changes_batched_
 from ..version import sparsity
 from .merged import MergedWeights, check_checkpoint_names, merged_weights
+from .mirror import HostMirror
 from .sharding import ModelLayout, describe_model, local_tensor
 
 __all__ = ["BF16ChangeDetector", "ChangeSet", "canonical_name", "inner_optimizer"]
@@ -61,7 +62,7 @@ def inner_optimizer(optimizer: object) -> torch.optim.Optimizer | None:
 
 
 #: What extracting one parameter's changes gives: positions, new values, old values.
-_Found = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+_Found = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 @dataclass
@@ -123,13 +124,19 @@ class BF16ChangeDetector:
 
     Memory: the snapshot (2 bytes per element this rank holds) plus, while [`changes`]
     runs, the changed elements (CPU tensors are compared in one compiled pass with no
-    full-size temporary; others through one parameter's mask and bf16 copy at a time).
+    full-size temporary; others through one parameter's mask and bf16 copy at a time);
+    with a snapshot on a GPU, by default, a host mirror of it (2 bytes per element of host
+    memory, see `host_mirror`).
 
     Args:
         model: The model being trained (any wrapper: DDP, Accelerate, torch.compile, FSDP2,
             a DeepSpeed engine).
         optimizer: Its optimizer, or a wrapper of it (e.g. Accelerate's `AcceleratedOptimizer`).
         snapshot_device: Where to keep the snapshot; defaults to each parameter's device.
+        host_mirror: Keep a host copy of the snapshot, advanced from the changes each
+            [`changes`] call brings back anyway ([`HostMirror`]), so that anchors and compact
+            deltas never copy the snapshot from the device; costs 2 bytes of host memory per
+            element this rank publishes. Default: when the snapshot is not on the CPU.
         layout: How the parameters are spread over ranks; by default
             [`describe_model`] of `model` (which refuses layouts that cannot be published).
 
@@ -157,6 +164,7 @@ class BF16ChangeDetector:
         optimizer: object,
         *,
         snapshot_device: torch.device | str | None = None,
+        host_mirror: bool | None = None,
         layout: ModelLayout | None = None,
     ) -> None:
         self.model = model
@@ -177,6 +185,10 @@ class BF16ChangeDetector:
             )
         self._shards = self.layout.shards
         self._snapshot = {name: self._bf16_copy(self._value(name)) for name in self._shards}
+        if host_mirror is None:
+            host_mirror = any(tensor.device.type != "cpu" for tensor in self._snapshot.values())
+        #: The host copy of the snapshot, if kept (see `host_mirror`).
+        self.mirror: HostMirror | None = HostMirror(self._snapshot) if host_mirror else None
         self._touched: set[str] = set()
         self._steps = 0
         #: Held while the snapshot is read or written; a background anchor writer holds it
@@ -259,7 +271,13 @@ class BF16ChangeDetector:
 
     def _bf16_copy(self, param: torch.Tensor) -> torch.Tensor:
         data = local_tensor(param).detach()
-        return data.to(device=self._snapshot_device or data.device, dtype=torch.bfloat16, copy=True)
+        # Row-major whatever the parameter's strides: positions are those of the checkpoint tensor.
+        return data.to(
+            device=self._snapshot_device or data.device,
+            dtype=torch.bfloat16,
+            memory_format=torch.contiguous_format,
+            copy=True,
+        )
 
     def _value(self, name: str) -> torch.Tensor:
         """What is published under `name` now: the parameter, or a PEFT model's merged weight."""
@@ -282,6 +300,16 @@ class BF16ChangeDetector:
         Hold [`snapshot_lock`] while reading it from another thread.
         """
         return self._snapshot
+
+    def host_snapshot(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """The snapshot's tensors `names` (default: all) on the host: the mirror's, or the
+        snapshot's own where it lives on the CPU; without a mirror, a device's are copied
+        (2 bytes per element across the bus). Read-only by convention; hold
+        [`snapshot_lock`] while reading them from another thread."""
+        names = self._snapshot if names is None else names
+        if self.mirror is not None:
+            return {name: self.mirror.tensors[name] for name in names}
+        return {name: self._snapshot[name].cpu() for name in names}
 
     @property
     def total_elements(self) -> int:
@@ -322,7 +350,8 @@ class BF16ChangeDetector:
             # What the compiled pass does not take (tensors on a GPU, above all) goes through
             # torch together, with a fixed number of host synchronisations for all of them.
             batch = [(current, self._snapshot[n], self._index_dtype(n)) for n, current in declined.items()]
-            found.update(zip(declined, extract_changes_batched_(batch)))
+            # With a host mirror, old values are read there (before it moves on below).
+            found.update(zip(declined, extract_changes_batched_(batch, old_values=self.mirror is None)))
             extracted = [self._change(name, found[name]) for name in names]
             changes, old_values, local_indices = {}, {}, {}
             for name, (change, old, local) in zip(names, extracted):
@@ -339,6 +368,8 @@ class BF16ChangeDetector:
                 shapes=dict(self.layout.shapes),
                 local_indices=local_indices,
             )
+            if self.mirror is not None:
+                self.mirror.apply(changes, local_indices)
             self._touched.clear()
             self._steps = 0
             return change_set
@@ -355,7 +386,12 @@ class BF16ChangeDetector:
         when the pass does not apply to it, with the weights it read (computed once: a PEFT
         model's merged weight costs a matrix product)."""
         current = local_tensor(self._value(name)).detach()
-        found = extract_changes_(current, self._snapshot[name], self._index_dtype(name))
+        snapshot = self._snapshot[name]
+        if current.device.type != "cpu" and snapshot.device.type == "cpu":
+            # A host snapshot of device weights (`snapshot_device="cpu"`): rounded where they
+            # live and copied once (2 bytes an element), then compared by the compiled pass.
+            current = current.to(torch.bfloat16).to("cpu", memory_format=torch.contiguous_format)
+        found = extract_changes_(current, snapshot, self._index_dtype(name))
         return (found, None) if found is not None else (None, current)
 
     def _change(
@@ -366,6 +402,8 @@ class BF16ChangeDetector:
         if found is None or found[0].numel() == 0:
             return None, None, None
         local, values, old = found
+        if old is None:  # not brought from the device: the host mirror still holds them
+            old = self.mirror.tensors[name].view(-1)[local.long()]
         shard = self._shards[name]
         dtype = index_dtype(math.prod(shard.global_shape))
         if shard.whole:
@@ -379,6 +417,7 @@ class BF16ChangeDetector:
             hook.remove()
         self._hooks.clear()
         self._snapshot = {}
+        self.mirror = None
         self._touched.clear()
 
     def __enter__(self) -> BF16ChangeDetector:

@@ -32,11 +32,12 @@ from ..errors import PublishError
 from ..signing import SigningKey
 from ..storage import Bucket, open_bucket
 from ..version import VersionId
+from .adapter import PeftPublish
 from .detector import BF16ChangeDetector
 from .lease import SnapshotLease
 from .ranks import RankGroup, ThreadRole
 from .schedule import AnchorSchedule
-from .writer import PublishReport, VersionJob, VersionWriter, claim_prefix
+from .writer import PublishReport, VersionJob, VersionWriter, claim_prefix, signing_key_of, stop_worker
 
 __all__ = ["PublishReport", "Publisher", "PublisherOptions"]
 
@@ -81,6 +82,11 @@ class PublisherOptions:
             `latest.json` again (same version, a newer counter and time), so that replicas
             can tell a live trainer from a pointer held back (`DELTA_SYNC_MAX_STALENESS` on
             replicas should be a few times this). None never refreshes. Needs `background`.
+        peft_publish: What a PEFT LoRA model is published as (a `PeftPublish`, or its
+            value): `"merged"` (the base checkpoint with the adapter merged, as anchors and
+            deltas; a [`Publisher`]) or `"adapter"` (the adapter itself per version, for
+            `vllm serve --enable-lora`; an `AdapterPublisher`, see
+            `delta_sync.trainer.adapter`, which keeps `keep_anchors` adapter versions).
 
     Raises:
         ValueError: An option is out of range; the message names it.
@@ -97,6 +103,7 @@ class PublisherOptions:
     encoding: Encoding = Encoding.RAW
     bucket_id: str | None = None
     pointer_refresh: float | None = 60.0
+    peft_publish: PeftPublish = PeftPublish.MERGED
 
     def __post_init__(self) -> None:
         if self.pointer_refresh is not None and not self.pointer_refresh > 0:
@@ -114,6 +121,10 @@ class PublisherOptions:
         if encoding not in _DELTA_ENCODINGS:
             raise ValueError(f"encoding must be 'raw' or 'compact', got {self.encoding!r}")
         object.__setattr__(self, "encoding", encoding)
+        try:
+            object.__setattr__(self, "peft_publish", PeftPublish(self.peft_publish))
+        except ValueError:
+            raise ValueError(f"peft_publish must be 'merged' or 'adapter', got {self.peft_publish!r}") from None
 
 
 @dataclass(frozen=True)
@@ -198,12 +209,7 @@ class Publisher:
         self.parted = self.layout.sharded
         self._ranks = RankGroup(self.layout.world_size if self.parted else 1)
         self.rank = self._ranks.rank
-        if options.signing_key is None:
-            self.signing_key = SigningKey.from_env()
-        elif isinstance(options.signing_key, SigningKey):
-            self.signing_key = options.signing_key
-        else:
-            self.signing_key = SigningKey.load(options.signing_key)
+        self.signing_key = signing_key_of(options.signing_key)
         self.run_id = options.run_id or uuid.uuid4().hex[:12]
         #: This start of the publisher: a run resumed in place rewrites versions under a new
         #: epoch, so replicas and caches never mistake them for the abandoned ones.
@@ -310,9 +316,7 @@ class Publisher:
         try:
             self.flush()
         finally:
-            if self._queue is not None and self._worker is not None and self._worker.is_alive():
-                self._queue.put(None)
-                self._worker.join()
+            stop_worker(self._queue, self._worker)
             self._writer.close()
 
     def _pool(self, changed: int = 0) -> _Pooled:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..control import ReplicaStatus, UpdateInfo
+from ..control import AdapterStatus, ReplicaStatus, UpdateInfo
 from ..control.client import Replica, ReplicaOptions
 from ..errors import DeltaSyncError, ReplicaError
 
@@ -64,6 +64,9 @@ class ReplicaSet:
         bucket: The bucket URL replicas read from (absolute: replicas resolve it themselves).
         options: How each [`Replica`] talks to its server (a `ReplicaOptions`: `timeout`,
             `retry_seconds`, `pause_mode`, `headers`, `token`, ...); default: its defaults.
+        adapter_name: Adapter mode (`delta_sync.trainer.adapter`): every version is an
+            adapter, which each replica fetches and serves under this name
+            ([`Replica.load_adapter`]) instead of updating its weights.
         **overrides: Fields of `ReplicaOptions` to set on top of `options`, e.g.
             `retry_seconds=5`.
 
@@ -77,10 +80,17 @@ class ReplicaSet:
     """
 
     def __init__(
-        self, urls: Iterable[str], bucket: str, options: ReplicaOptions | None = None, **overrides: Any
+        self,
+        urls: Iterable[str],
+        bucket: str,
+        options: ReplicaOptions | None = None,
+        *,
+        adapter_name: str | None = None,
+        **overrides: Any,
     ) -> None:
         UpdateInfo(bucket)  # fail here, not in every replica's thread, on an unusable bucket
         self.bucket = bucket
+        self.adapter_name = adapter_name
         self.options = replace(options or ReplicaOptions(), **overrides)
         self.replicas = [Replica(url, self.options) for url in urls]
         if not self.replicas:
@@ -155,7 +165,10 @@ class ReplicaSet:
         while (target := self._next_target(state)) is not None:
             started = time.perf_counter()
             try:
-                status = replica.update(self.bucket, target.filename, version=target.version)
+                if self.adapter_name is not None:
+                    status = replica.load_adapter(self.bucket, self.adapter_name, version=target.version)
+                else:
+                    status = replica.update(self.bucket, target.filename, version=target.version)
                 self._confirm(replica, status, target.version)
             except Exception as exc:
                 self._failed(state, target.version, exc)
@@ -165,7 +178,11 @@ class ReplicaSet:
     def _next_target(self, state: ReplicaState) -> _Target | None:
         """Wait for a version newer than the replica's (None once closed), and pick its file."""
         with self._condition:
-            while not self._closed and (self._newest is None or (state.version or 0) >= self._newest):
+            # A replica that serves nothing yet is behind any version, 0 included (adapter
+            # mode publishes the adapter as training starts as version 0).
+            while not self._closed and (
+                self._newest is None or (state.version is not None and state.version >= self._newest)
+            ):
                 self._condition.wait()
             if self._closed:
                 return None
@@ -178,7 +195,7 @@ class ReplicaSet:
                 return _Target(self._newest, delta)
             return _Target(self._newest, None)
 
-    def _confirm(self, replica: Replica, status: ReplicaStatus, target: int) -> None:
+    def _confirm(self, replica: Replica, status: ReplicaStatus | AdapterStatus, target: int) -> None:
         """The replica serves `target` or later, with the trainer's checksum of what it serves."""
         if status.version is None or status.version < target:
             raise ReplicaError(
@@ -193,7 +210,7 @@ class ReplicaSet:
                 url=replica.url,
             )
 
-    def _reached(self, state: ReplicaState, status: ReplicaStatus, seconds: float) -> None:
+    def _reached(self, state: ReplicaState, status: ReplicaStatus | AdapterStatus, seconds: float) -> None:
         with self._condition:
             state.version = status.version
             state.model_checksum = status.model_checksum

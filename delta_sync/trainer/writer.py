@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import queue
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -51,7 +54,15 @@ from .lease import SnapshotLease
 from .ranks import RankGroup, ThreadRole
 from .schedule import AnchorSchedule, Plan
 
-__all__ = ["PublishReport", "VersionJob", "VersionWriter", "claim_prefix"]
+__all__ = [
+    "PointerWriter",
+    "PublishReport",
+    "VersionJob",
+    "VersionWriter",
+    "claim_prefix",
+    "signing_key_of",
+    "stop_worker",
+]
 
 logger = logging.getLogger("delta_sync")
 
@@ -76,6 +87,8 @@ class PublishReport:
         model_checksum: Digest of the published weights.
         catch_up_bytes: What a replica joining now downloads to reach this version: the
             newest anchor and the deltas after it.
+        adapter: The directory of the adapter stored as this version (adapter mode, see
+            `delta_sync.trainer.adapter`), or None.
     """
 
     version: int
@@ -91,10 +104,12 @@ class PublishReport:
     publish_seconds: float
     model_checksum: str
     catch_up_bytes: int = 0
+    adapter: str | None = None
 
     @property
     def kind(self) -> str:
-        return "+".join(kind for kind, path in (("delta", self.delta), ("anchor", self.anchor)) if path)
+        kinds = (("delta", self.delta), ("anchor", self.anchor), ("adapter", self.adapter))
+        return "+".join(kind for kind, path in kinds if path)
 
     @property
     def sparsity(self) -> float:
@@ -153,7 +168,74 @@ class _RankResult:
     checksums: dict[str, int] | None = None  # this rank's share of each parameter's checksum
 
 
-class VersionWriter:
+class PointerWriter:
+    """What every kind of version is stored with: signed uploads, and `latest.json` with a
+    counter that only increases (rank 0 writes the pointer). [`VersionWriter`] stores
+    anchors and deltas with it; `delta_sync.trainer.adapter` stores PEFT adapters.
+
+    Args:
+        bucket: Where to write.
+        signing_key: Signs every file replicas act on, or None.
+        bucket_id: The bucket's name in signed statements (see
+            `delta_sync.signing.bucket_identity`).
+        rank: This process's rank among those writing the version (only rank 0 points).
+    """
+
+    def __init__(
+        self, bucket: Bucket, *, signing_key: SigningKey | None, bucket_id: str | None = None, rank: int = 0
+    ) -> None:
+        self.bucket = bucket
+        self.signing_key = signing_key
+        self.rank = rank
+        self.bucket_identity = bucket_identity(bucket.url, bucket_id)
+        # The pointer's counter goes on from the one stored, whoever wrote it.
+        self._sequence = _stored_sequence(bucket) if rank == 0 else 0
+        self._pointer: Latest | None = None
+        #: When `latest.json` was last written (time.monotonic()), or None.
+        self.pointer_written: float | None = None
+
+    def _upload_signature(self, path: str, sha256: str, size: int, id: VersionId) -> None:
+        assert self.signing_key is not None
+        about = SignedFile(path, sha256, size, self.bucket_identity, id.run_id, id.epoch)
+        # Overwritable: a retry of a version whose file never landed signs it again.
+        self.bucket.upload(path + SIGNATURE_SUFFIX, self.signing_key.sign(about).to_json())
+
+    def _point(self, latest: Latest) -> int:
+        """Write `latest.json` (rank 0), counted on from the last pointer and timed now; returns its size."""
+        self._sequence = max(self._sequence + 1, time.time_ns() // 1000)
+        latest = replace(latest, sequence=self._sequence, written_at=time.time(), bucket=self.bucket_identity)
+        data = latest.to_json(self.signing_key)
+        self.bucket.upload(LATEST, data)
+        self._pointer = latest
+        self.pointer_written = time.monotonic()
+        return len(data)
+
+    def refresh_pointer(self) -> bool:
+        """Write the last pointer again with a new counter and time, so replicas can tell a
+        live trainer with nothing to publish from a pointer held back (rank 0; returns
+        whether it wrote one)."""
+        if self.rank != 0 or self._pointer is None:
+            return False
+        self._point(self._pointer)
+        return True
+
+    def store_signed(self, path: str, local: Path, id: VersionId) -> int:
+        """Store one file replicas act on, written once: its signature first (with a key), so
+        that no stored file is ever unsigned. Returns the file's size.
+
+        Args:
+            path: Its path in the bucket.
+            local: The file to upload.
+            id: The version it belongs to (its run and epoch are signed).
+        """
+        size = local.stat().st_size
+        if self.signing_key is not None:
+            self._upload_signature(path, file_sha256(local), size, id)
+        self.bucket.upload(path, local, overwrite=False)
+        return size
+
+
+class VersionWriter(PointerWriter):
     """Encodes, uploads and points `latest.json` at each version, in order, from one thread.
 
     Args:
@@ -187,17 +269,15 @@ class VersionWriter:
         resumed_files: list[str],
         bucket_id: str | None = None,
     ) -> None:
-        self.bucket = bucket
+        super().__init__(bucket, signing_key=signing_key, bucket_id=bucket_id, rank=ranks.rank)
         self.detector = detector
         self.layout = detector.layout
         self.parted = self.layout.sharded
-        self.rank = ranks.rank
         self._ranks = ranks
         self._schedule = schedule
         self._version_id = version_id
         self.encoding = encoding
         self.keep_anchors = keep_anchors
-        self.signing_key = signing_key
         self._resumed_files = resumed_files
         self._staging = Path(tempfile.mkdtemp(prefix="delta-sync-staging-"))
         self._checksums: dict[str, int] = {}  # this rank's share, per parameter it publishes
@@ -205,12 +285,6 @@ class VersionWriter:
         self._stored_version: int | None = None
         self._anchor_version: int | None = None
         self._epoch_start: int | None = None  # the first version this start stored
-        self.bucket_identity = bucket_identity(bucket.url, bucket_id)
-        # The pointer's counter goes on from the one stored, whoever wrote it.
-        self._sequence = _stored_sequence(bucket) if self.rank == 0 else 0
-        self._pointer: Latest | None = None
-        #: When `latest.json` was last written (time.monotonic()), or None.
-        self.pointer_written: float | None = None
 
     def close(self) -> None:
         """Remove the staging directory."""
@@ -346,7 +420,7 @@ class VersionWriter:
         # values a replica cuts out of the full tensors it holds.
         changes, previous = change_set.changes, None
         if self.encoding == Encoding.COMPACT:
-            previous = self.detector.snapshot
+            previous = self.detector.host_snapshot(changes)
             if self.parted:
                 shards = self.layout.shards
                 changes = {
@@ -368,7 +442,7 @@ class VersionWriter:
 
     def _encode_anchor(self, version: int, *, check_chain: bool) -> list[_Staged]:
         shards = self.layout.shards
-        tensors = {name: tensor.cpu() for name, tensor in self.detector.snapshot.items()}
+        tensors = self.detector.host_snapshot()
         self._check_publishable(version, tensors)
         checksums = dict(
             zip(
@@ -451,33 +525,6 @@ class VersionWriter:
         # Version files are written once: a second trainer on the same prefix fails loudly.
         self.bucket.upload(file.stored.path, file.local, overwrite=False)
         file.local.unlink(missing_ok=True)
-
-    def _upload_signature(self, path: str, sha256: str, size: int, id: VersionId) -> None:
-        assert self.signing_key is not None
-        about = SignedFile(path, sha256, size, self.bucket_identity, id.run_id, id.epoch)
-        # Overwritable: a retry of a version whose file never landed signs it again.
-        self.bucket.upload(path + SIGNATURE_SUFFIX, self.signing_key.sign(about).to_json())
-
-    # -- the pointer -----------------------------------------------------------------------
-
-    def _point(self, latest: Latest) -> int:
-        """Write `latest.json` (rank 0), counted on from the last pointer and timed now; returns its size."""
-        self._sequence = max(self._sequence + 1, time.time_ns() // 1000)
-        latest = replace(latest, sequence=self._sequence, written_at=time.time(), bucket=self.bucket_identity)
-        data = latest.to_json(self.signing_key)
-        self.bucket.upload(LATEST, data)
-        self._pointer = latest
-        self.pointer_written = time.monotonic()
-        return len(data)
-
-    def refresh_pointer(self) -> bool:
-        """Write the last pointer again with a new counter and time, so replicas can tell a
-        live trainer with nothing to publish from a pointer held back (rank 0; returns
-        whether it wrote one)."""
-        if self.rank != 0 or self._pointer is None:
-            return False
-        self._point(self._pointer)
-        return True
 
     # -- the version as a whole ------------------------------------------------------------
 
@@ -589,6 +636,21 @@ class VersionWriter:
         else:
             self._point(retreat)
         self.bucket.delete(stale)
+
+
+def signing_key_of(option: SigningKey | str | os.PathLike | None) -> SigningKey | None:
+    """The key a publisher signs with: `option` (a key, or the path or PEM text of one), or
+    by default the key `DELTA_SYNC_SIGNING_KEY` names (None: unsigned)."""
+    if option is None:
+        return SigningKey.from_env()
+    return option if isinstance(option, SigningKey) else SigningKey.load(option)
+
+
+def stop_worker(jobs: queue.Queue | None, worker: threading.Thread | None) -> None:
+    """End a publisher's worker thread once the jobs queued before are done (None ends it)."""
+    if jobs is not None and worker is not None and worker.is_alive():
+        jobs.put(None)
+        worker.join()
 
 
 def claim_prefix(bucket: Bucket, run_id: str, *, overwrite: bool) -> list[str]:

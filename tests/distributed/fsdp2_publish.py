@@ -6,6 +6,9 @@ Receiver after every version and compares it, bit for bit, with the full weights
 to fail, so the test proves the callback never does it.
 
     torchrun --standalone --nproc_per_node 2 fsdp2_publish.py --bucket DIR --steps 4 --anchor-every 2
+
+With `--host-mirror`, anchors and compact parts are written from each rank's host mirror
+of its blocks, checked against the snapshot after every version.
 """
 
 from __future__ import annotations
@@ -76,13 +79,18 @@ def main() -> None:
     parser.add_argument("--encoding", choices=["raw", "compact"], default="raw")
     parser.add_argument("--fp32-masters", action="store_true", help="fp32 sharded masters, bf16 published")
     parser.add_argument("--model-dir", help="train this checkpoint instead of a random model")
+    parser.add_argument("--host-mirror", action="store_true", help="anchors and compact parts from a host mirror")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = build_model(args.fp32_masters, args.model_dir)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     callback = DeltaSyncCallback(
-        bucket=args.bucket, anchor_every=args.anchor_every, background=False, encoding=args.encoding
+        bucket=args.bucket,
+        anchor_every=args.anchor_every,
+        background=False,
+        encoding=args.encoding,
+        host_mirror=args.host_mirror or None,
     )
     state = SimpleNamespace(global_step=0, is_world_process_zero=rank == 0, log_history=[])
     training_args = SimpleNamespace(use_vllm=False)
@@ -105,6 +113,9 @@ def main() -> None:
         state.global_step = step
         with no_weight_gathers():
             callback.on_step_end(training_args, state, None)
+        if args.host_mirror:  # this rank's blocks, advanced from the changes alone
+            for name, tensor in detector.snapshot.items():
+                assert torch.equal(detector.mirror.tensors[name].view(torch.int16), tensor.view(torch.int16)), name
         expected = full_bf16(model)
         if rank == 0:
             result = receiver.update(args.bucket)
