@@ -42,10 +42,11 @@ state does), run twice after the updates. The pause's own work is the load;
 (see the JSON's `targets`):
 
 * `prepare_streams`: tokens arrive while a version is prepared, and no gap there is longer
-  than 3x the quiet median gap. The gaps are read once this benchmark's trainer has
-  published the update's last version: a catch-up's earlier versions are published (and
-  prepared) while the trainer trains the next ones on the same cores, which a trainer on
-  another machine would not take from the server; the JSON gives both figures.
+  than 3x the quiet median gap. The gaps are those that open once this benchmark's trainer
+  has published the update's last version: a catch-up's earlier versions are published
+  (and prepared) while the trainer trains the next ones on the same cores, and a gap open
+  at a publication began while the trainer wrote the files, neither of which a trainer on
+  another machine would take from the server; the JSON gives both figures.
 * `update_is_an_empty_rpc`: `/update_weights` costs no more than `/start_weight_update`
   plus 50 ms.
 * `delta_load_x_full`: a single delta's load is at most 0.6x a full reload on a CPU server
@@ -116,7 +117,7 @@ def tokens_between(arrivals: Sequence[float], start: float, end: float) -> int:
     return bisect.bisect_left(arrivals, end) - bisect.bisect_left(arrivals, start)
 
 
-def longest_gap(arrivals: Sequence[float], start: float, end: float) -> float | None:
+def longest_gap(arrivals: Sequence[float], start: float, end: float, *, opened_inside: bool = False) -> float | None:
     """The longest time between two consecutive tokens whose gap overlaps `[start, end]`.
 
     A gap counts whole, not clipped to the window: a pause caused inside the window lasts
@@ -127,8 +128,12 @@ def longest_gap(arrivals: Sequence[float], start: float, end: float) -> float | 
         arrivals: When each token arrived, ascending.
         start: Start of the window.
         end: End of the window.
+        opened_inside: Count only gaps whose first token came inside the window (for a
+            window whose cause cannot begin before it opens).
     """
     first = max(bisect.bisect_left(arrivals, start), 1)  # the first token after the window opens
+    if opened_inside:
+        first += 1  # the gap before that token opened before the window
     longest: float | None = None
     for i in range(first, len(arrivals)):
         if arrivals[i - 1] > end:
@@ -197,7 +202,9 @@ def attribute(arrivals: Sequence[float], windows: dict[str, tuple[float, float]]
         name: {
             "seconds": end - start,
             "tokens": tokens_between(arrivals, start, end),
-            "longest_gap_seconds": longest_gap(arrivals, start, end),
+            # Nothing of a version is prepared before its publication opens that window: a
+            # gap open then is the trainer's, which wrote the version on these cores.
+            "longest_gap_seconds": longest_gap(arrivals, start, end, opened_inside=name == "prepare_trainer_idle"),
         }
         for name, (start, end) in windows.items()
     }

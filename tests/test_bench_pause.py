@@ -45,6 +45,11 @@ def test_a_pause_counts_whole_in_every_window_it_overlaps(bench):
         assert bench.longest_gap(TIMELINE, start, end) == pytest.approx(1.0), (start, end)
     # A window in steady streaming sees only the regular cadence.
     assert bench.longest_gap(TIMELINE, 0.35, 1.25) == pytest.approx(0.1)
+    # Counting only gaps that open inside: the pause opened at 2.0, inside (1.95, 2.5) but
+    # before (2.5, 3.5), which then sees the regular cadence after it.
+    assert bench.longest_gap(TIMELINE, 1.95, 2.5, opened_inside=True) == pytest.approx(1.0)
+    assert bench.longest_gap(TIMELINE, 2.5, 3.5, opened_inside=True) == pytest.approx(0.1)
+    assert bench.longest_gap(TIMELINE, 2.2, 2.8, opened_inside=True) is None
     # Before the first token or after the last there is no closed gap.
     assert bench.longest_gap([1.0, 2.0], 2.5, 3.0) is None
     assert bench.longest_gap([1.0, 2.0], 0.0, 0.5) is None
