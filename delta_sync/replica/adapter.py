@@ -34,15 +34,14 @@ from pathlib import Path
 from ..control import AdapterStatus
 from ..errors import ApplyError, FormatError, OversizedFileError, SignatureError
 from ..layout import ADAPTER_CONFIG, ADAPTER_FILES, ADAPTER_WEIGHTS, LATEST, Latest, adapter_dir
-from ..signing import SIGNATURE_SUFFIX, FileSignature, bucket_identity, file_sha256
+from ..signing import FileSignature, bucket_identity, file_sha256
 from ..storage import Bucket
 
 __all__ = ["AdapterFetcher"]
 
 logger = logging.getLogger("delta_sync")
 
-#: The most bytes a signature file or an unsigned adapter config may have.
-_MAX_SIGNATURE_BYTES = 4096
+#: The most bytes an unsigned adapter config may have.
 _MAX_CONFIG_BYTES = 1 << 20
 
 
@@ -105,7 +104,7 @@ class AdapterFetcher:
         expected = latest.model_checksum if target == latest.version else None
         if final.is_dir():
             try:
-                return self._check_local(opened, identity, latest, directory, final, expected)
+                return self._check_local(opened, latest, directory, final, expected)
             except (FormatError, SignatureError) as exc:
                 logger.warning("delta-sync: %s no longer matches the bucket (%s); fetching it again", final, exc)
                 shutil.rmtree(final, ignore_errors=True)
@@ -113,15 +112,15 @@ class AdapterFetcher:
         staging = Path(tempfile.mkdtemp(prefix=".fetch-", dir=final.parent))
         try:
             for name in ADAPTER_FILES:
-                self._download(opened, identity, latest, f"{directory}/{name}", staging / name)
-            status = self._check_local(opened, identity, latest, directory, staging, expected, signatures=False)
+                self._download(opened, latest, f"{directory}/{name}", staging / name)
+            status = self._check_local(opened, latest, directory, staging, expected, signatures=False)
             try:
                 os.rename(staging, final)
             except OSError:
                 if not final.is_dir():
                     raise
                 # Another worker of this server put the same version there first: use theirs, checked.
-                return self._check_local(opened, identity, latest, directory, final, expected)
+                return self._check_local(opened, latest, directory, final, expected)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         self._prune(home, keep=final)
@@ -138,21 +137,11 @@ class AdapterFetcher:
             self.receiver.pointers.accept(identity, latest, source=source)
         return latest
 
-    def _signature(self, bucket: Bucket, identity: str, latest: Latest, path: str) -> FileSignature | None:
+    def _signature(self, bucket: Bucket, latest: Latest, path: str) -> FileSignature | None:
         """With a verify key: the file's signature, checked for the key, path, bucket, run and epoch."""
-        key = self.receiver.verify_key
-        if key is None:
+        signature = self.receiver.read_signature(bucket, path)
+        if signature is None:
             return None
-        with tempfile.TemporaryDirectory(prefix="delta-sync-sig-") as tmp:
-            local = Path(tmp) / "sig"
-            try:
-                bucket.download(path + SIGNATURE_SUFFIX, local, max_bytes=_MAX_SIGNATURE_BYTES)
-            except FileNotFoundError:
-                raise SignatureError(
-                    f"{bucket.url}/{path}: not signed, but this replica only trusts signed versions"
-                ) from None
-            signature = FileSignature.from_json(local.read_bytes(), source=f"{bucket.url}/{path}{SIGNATURE_SUFFIX}")
-        key.verify(signature, path=path, bucket=identity)
         if (signature.about.run_id, signature.about.epoch) != (latest.run_id, latest.epoch):
             raise SignatureError(
                 f"{bucket.url}/{path}: signed for run {signature.about.run_id} (epoch {signature.about.epoch or '-'}), "
@@ -160,8 +149,8 @@ class AdapterFetcher:
             )
         return signature
 
-    def _download(self, bucket: Bucket, identity: str, latest: Latest, path: str, local: Path) -> None:
-        signature = self._signature(bucket, identity, latest, path)
+    def _download(self, bucket: Bucket, latest: Latest, path: str, local: Path) -> None:
+        signature = self._signature(bucket, latest, path)
         if signature is not None:
             limit = signature.size
         else:
@@ -180,7 +169,6 @@ class AdapterFetcher:
     def _check_local(
         self,
         bucket: Bucket,
-        identity: str,
         latest: Latest,
         directory: str,
         local: Path,
@@ -196,7 +184,7 @@ class AdapterFetcher:
             raise FormatError(f"{local}: lacks {missing}")
         if signatures:
             for name in ADAPTER_FILES:
-                signature = self._signature(bucket, identity, latest, f"{directory}/{name}")
+                signature = self._signature(bucket, latest, f"{directory}/{name}")
                 if signature is not None:
                     signature.check_digest(digests[name])
         weights = digests[ADAPTER_WEIGHTS]

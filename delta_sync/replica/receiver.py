@@ -931,7 +931,7 @@ class Receiver:
             raise FormatError(f"{source}: not an anchor, delta or manifest (expected .safetensors or .manifest.json)")
         step = None if is_part(path) else parse_step_path(path)
         # The signature comes first: it says how large the file may be.
-        signature = self._read_signature(bucket, path)
+        signature = self.read_signature(bucket, path)
         if signature is not None:
             limit = signature.size
         elif is_manifest(path):
@@ -976,9 +976,14 @@ class Receiver:
             )
         return file
 
-    def _read_signature(self, bucket: Bucket, path: str) -> FileSignature | None:
-        """With a verify key: the file's signature, checked against the key, the path and
-        this bucket (the file's own digest is checked once it is fetched)."""
+    def read_signature(self, bucket: Bucket, path: str) -> FileSignature | None:
+        """With a verify key: the signature of `bucket`'s file `path`, read (at most a few
+        KiB) and checked against the key, the path and this bucket (the file's own digest
+        is for the caller to check once it is fetched); None without a key.
+
+        Raises:
+            SignatureError: The file is not signed, or not by this key for this path and bucket.
+        """
         if self.verify_key is None:
             return None
         source = f"{bucket.url}/{path}{SIGNATURE_SUFFIX}"
