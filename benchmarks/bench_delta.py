@@ -628,15 +628,17 @@ def codec_speed(quick: bool, repeat: int = 5) -> dict:
     return out
 
 
-def gil_check(encode: Callable[[], object], encode_seconds: float) -> dict:
+def gil_check(encode: Callable[[], object], encode_seconds: float, window: float = 0.25) -> dict:
     """How far a Python thread gets while `encode` runs on another: the training loop's
     stand-in (on a GPU trainer, the thread that launches kernels).
 
-    The main thread counts loop iterations, first alone for about as long as the encode
-    takes, then while a background thread runs the encode: `progress` is the second pace
-    over the first. Well below 1 means the encode holds the GIL (or, with fewer cores than
-    threads, the CPU): the codec's compiled passes release it, its Python glue does not
-    (and waits for the counting thread's GIL switch interval, which slows the encode).
+    The main thread counts loop iterations, first alone for `window` seconds, then while a
+    background thread runs the encode back to back for at least as long (one quick-mode
+    encode can finish inside a single GIL switch interval, which would measure nothing):
+    `progress` is the second pace over the first. Well below 1 means the encode holds the
+    GIL (or, with fewer cores than threads, the CPU): the codec's compiled passes release
+    it, its Python glue does not (and waits for the counting thread's GIL switch interval,
+    which slows the encode).
     """
 
     def count_until(done: threading.Event) -> tuple[int, float]:
@@ -646,13 +648,18 @@ def gil_check(encode: Callable[[], object], encode_seconds: float) -> dict:
         return counted, time.perf_counter() - start
 
     alone_done, encode_done = threading.Event(), threading.Event()
-    timer = threading.Timer(max(encode_seconds, 0.05), alone_done.set)
+    timer = threading.Timer(window, alone_done.set)
     timer.start()
     alone, alone_s = count_until(alone_done)
+    encodes = 0
 
     def background() -> None:
+        nonlocal encodes
+        start = time.perf_counter()
         try:
-            encode()
+            while encodes == 0 or time.perf_counter() - start < window:
+                encode()
+                encodes += 1
         finally:
             encode_done.set()
 
@@ -662,8 +669,9 @@ def gil_check(encode: Callable[[], object], encode_seconds: float) -> dict:
     worker.join()
     return {
         "progress": (during / during_s) / (alone / alone_s),
-        "encode_seconds": during_s,
+        "encode_seconds": during_s / encodes,
         "encode_alone_seconds": encode_seconds,
+        "encodes": encodes,
         "cpus": os.cpu_count(),
     }
 
