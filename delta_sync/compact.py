@@ -22,8 +22,11 @@ snapshot) and every replica (its held weights) both have:
 
 Both are coded with this package's own range ANS coder ([`delta_sync.rans`]: static integer
 frequency tables, 4 interleaved states where a tensor has 16384 changes or more, else 1;
-compiled, and run without the GIL), in one compiled call per tensor to encode and one to
-decode. The tables are not sent: each side builds them from the header with integer
+compiled, and run without the GIL). Encoding and decoding are one compiled call per thread,
+each for its share of the tensors (handed over by address, [`delta_sync.addresses`]): a
+call returns to Python, and so waits for the GIL, once for its whole share, rather than
+once per pass per tensor, which costs most where another thread runs Python (a trainer's
+training loop, a replica's vLLM). The tables are not sent: each side builds them from the header with integer
 arithmetic only, so the trainer and every replica build the same ones on any machine (the
 gap model from the group's size and change count, in 31-bit fixed point; the value model
 from the value table's log-scale bytes). The passes over whole tensors are compiled too
@@ -79,7 +82,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -90,11 +92,12 @@ import torch
 from numba.cpython.unsafe.numbers import trailing_zeros
 
 from . import rans
+from .addresses import address_of, view
 from .bitmasks import LANES, popcount
 from .bitmasks import at_least as at_least_mask
 from .changes import Encoding, SparseChange, index_dtype
 from .errors import ApplyError, FormatError
-from .parallel import parallel_map
+from .parallel import parallel_map, thread_count
 
 __all__ = ["ENCODING", "decode_changes", "encode_changes", "entry_names"]
 
@@ -171,15 +174,18 @@ def encode_changes(
         >>> save_file(entries, "delta.safetensors", metadata={"encoding": ENCODING, ...})
         ```
     """
-    # By changed count: `previous` may build each tensor on access.
-    names = _largest_first(changes, lambda name: len(changes[name]))
-    streams = parallel_map(
-        lambda name: _encode_tensor(
-            name, changes[name], previous[name], None if old_values is None else old_values[name]
-        ),
-        names,
-    )
-    encoded = dict(zip(names, streams))
+
+    def encode(names: list[str]) -> dict[str, np.ndarray]:
+        # `previous` may build each tensor on access: here, on every thread at once.
+        inputs = [
+            _encoder_inputs(name, changes[name], previous[name], None if old_values is None else old_values[name])
+            for name in names
+        ]
+        return _encode_batch(names, inputs)
+
+    encoded: dict[str, np.ndarray] = {}
+    for part in parallel_map(encode, _shares(changes, lambda name: len(changes[name]))):
+        encoded.update(part)
     return {entry_names(name)[0]: torch.from_numpy(encoded[name]) for name in sorted(changes)}
 
 
@@ -230,78 +236,145 @@ def decode_changes(
             raise ApplyError(
                 f"{source}: {name!r} is held as {held.dtype} {tuple(held.shape)}, the delta is for bfloat16 {tuple(shape)}"
             )
-    names = _largest_first(shapes, lambda name: math.prod(shapes[name]))
-    decoded = parallel_map(lambda name: _decode_tensor(name, entries[name + SUFFIX], previous[name], source), names)
-    by_name = dict(zip(names, decoded))
-    return {name: by_name[name] for name in sorted(shapes)}
+    decoded: dict[str, SparseChange] = {}
+    shares = _shares(shapes, lambda name: math.prod(shapes[name]))
+    for part in parallel_map(lambda names: _decode_batch(names, entries, previous, source), shares):
+        decoded.update(part)
+    return {name: decoded[name] for name in sorted(shapes)}
 
 
-def _largest_first(names: Iterable[str], size: Callable[[str], int]) -> list[str]:
-    # Large tensors first, so that the thread pool does not end on one long task.
-    return sorted(names, key=lambda name: (-size(name), name))
+def _shares(names: Iterable[str], size: Callable[[str], int]) -> list[list[str]]:
+    """The names split into one share per thread of similar total size (largest first, each
+    to the least loaded share): each share is one compiled call, which returns to Python
+    (and so waits for the GIL) once for all its tensors."""
+    shares: list[list[str]] = [[] for _ in range(thread_count())]
+    loads = [0] * len(shares)
+    for name in sorted(names, key=lambda name: (-size(name), name)):
+        least = loads.index(min(loads))
+        shares[least].append(name)
+        loads[least] += size(name) + 1
+    return [share for share in shares if share]
 
 
 # -- one tensor ------------------------------------------------------------------------------
 
 
-def _flat_bits(tensor: torch.Tensor, dtype: torch.dtype = torch.int16) -> np.ndarray:
-    """The bit patterns of a CPU tensor as a flat array (no copy when contiguous).
+def _held(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` itself where it is a contiguous CPU tensor, else a contiguous CPU copy.
 
-    Reshaped by numpy: a torch `reshape` costs more than the rest of a small tensor's encode.
+    The compiled calls read tensors by address (`data_ptr`), without a torch call such as
+    `view` or `numpy`: most torch calls release the GIL, and where another thread runs
+    Python, taking it back waits for that thread's switch interval (5 ms) per call.
     """
-    tensor = tensor.detach()
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        tensor = tensor.cpu().contiguous()
-    return tensor.view(dtype).numpy().reshape(-1)
+        tensor = tensor.detach().cpu().contiguous()
+    return tensor
 
 
-def _position_dtype(numel: int) -> type:
-    # int32 positions wherever they fit: half the memory traffic of int64.
-    return np.int32 if numel < 2**31 else np.int64
+def _encode_batch(names: list[str], inputs: list[tuple[torch.Tensor, ...]]) -> dict[str, np.ndarray]:
+    """The streams of the named tensors, from their [`_encoder_inputs`]: one compiled call
+    for those with int32 positions, one for those with int64 ones."""
+    streams: dict[str, np.ndarray] = {}
+    for wide in (False, True):
+        chosen = [i for i, (_, positions, _, _) in enumerate(inputs) if (positions.dtype == torch.int64) == wide]
+        if not chosen:
+            continue
+        table = np.array(
+            [
+                [
+                    previous.data_ptr(),
+                    previous.numel(),
+                    positions.data_ptr(),
+                    positions.numel(),
+                    values.data_ptr(),
+                    0 if old_values is None else old_values.data_ptr(),
+                ]
+                for previous, positions, values, old_values in (inputs[i] for i in chosen)
+            ],
+            np.int64,
+        )
+        # `inputs` keeps every tensor alive through the call.
+        encoded, errors = _encode_tensors(table, wide)
+        for i, stream, error in zip(chosen, encoded, errors.tolist()):
+            if error:
+                raise ValueError(
+                    f"{names[i]}: indices must be strictly ascending positions in [0, {inputs[i][0].numel()})"
+                )
+            streams[names[i]] = stream
+    return streams
 
 
-def _encode_tensor(
-    name: str, change: SparseChange, previous: torch.Tensor, old_values: torch.Tensor | None = None
-) -> np.ndarray:
-    bits, indices, new_bits, old_bits = _encoder_inputs(name, change, previous, old_values)
+@numba.njit(nogil=True, cache=True)
+def _encode_tensors(table, wide):
+    """`(streams, errors)` of the tensors in `table` (per row: the addresses and sizes of
+    their previous bits, positions, new bits and old bits, 0 for none), positions int64 if
+    `wide` else int32; an error is 1 where the positions are not strictly ascending in range."""
+    streams = []
+    errors = np.zeros(table.shape[0], np.int64)
+    for t in range(table.shape[0]):
+        bits = view(table[t, 0], table[t, 1], np.int16)
+        new_bits = view(table[t, 4], table[t, 3], np.int16)
+        patched = table[t, 5] != 0
+        old_bits = view(table[t, 5], table[t, 3] if patched else 0, np.int16)
+        if wide:
+            stream = _encode_tensor(bits, view(table[t, 2], table[t, 3], np.int64), new_bits, old_bits, patched)
+        else:
+            stream = _encode_tensor(bits, view(table[t, 2], table[t, 3], np.int32), new_bits, old_bits, patched)
+        errors[t] = stream.size == 0
+        streams.append(stream)
+    return streams, errors
+
+
+@numba.njit(nogil=True, cache=True)
+def _encode_tensor(bits, positions, new_bits, old_bits, patched):
+    """One tensor's stream (empty where `positions` are not strictly ascending in range).
+
+    `bits` is the previous tensor or, with `patched`, the tensor after the change, whose
+    changed elements had `old_bits` before it."""
+    if positions.size and not _strictly_ascending(positions, bits.size):
+        return np.empty(0, np.uint8)
+    if not patched:
+        old_bits = bits[positions]
     # One pass over the changes: value codes, their classes, and changes per (exponent, class),
     # from which every choice of the encoder is made.
     zigzag, classes, class_counts = _classify(new_bits, old_bits)
-    boundaries = _choose_boundaries(
-        bits, class_counts, lambda: _sample_counts(bits, indices, old_bits, patched=old_values is not None)
-    )
-    edges = np.array(boundaries, np.int64)
-    quantized, sizes, changed = _group_tables(class_counts, edges)
-    ranks, counts = indices, np.array([bits.size], np.int64)  # one group: a change's rank is its position
-    if boundaries:
+    boundaries = _choose_boundaries(bits, positions, old_bits, class_counts, patched)
+    quantized, sizes, changed = _group_tables(class_counts, boundaries)
+    if boundaries.size:
         # One pass over the tensor: each change's rank among its group, and the groups' sizes,
         # with the changes ordered by group (stable).
-        counts = np.zeros(len(boundaries) + 1, np.int64)
-        ranks, classes, zigzag = _rank_changes(bits, edges, indices, old_bits, classes, zigzag, changed, counts)
-    words = _encode_groups(ranks.astype(np.int64, copy=False), classes, zigzag, counts, changed, quantized, sizes)
-    return _stream(edges, changed, quantized, sizes, words)
+        counts = np.zeros(boundaries.size + 1, np.int64)
+        ranks, classes, zigzag = _rank_changes(bits, boundaries, positions, old_bits, classes, zigzag, changed, counts)
+    else:  # one group: a change's rank is its position
+        counts = np.full(1, bits.size, np.int64)
+        ranks = positions
+    words = _encode_groups(ranks.astype(np.int64), classes, zigzag, counts, changed, quantized, sizes)
+    return _stream(boundaries, changed, quantized, sizes, words)
 
 
 def _encoder_inputs(
     name: str, change: SparseChange, previous: torch.Tensor, old_values: torch.Tensor | None
-) -> tuple[np.ndarray, ...]:
-    """`(tensor bits, indices, new bits, old bits)` as flat arrays, checked."""
+) -> tuple[torch.Tensor, ...]:
+    """`(previous, positions, values, old values or None)` as contiguous CPU tensors,
+    checked (but for the order of the positions, which the compiled encoder checks)."""
     if previous.dtype != torch.bfloat16:
         raise TypeError(f"{name}: previous tensor is {previous.dtype}, expected bfloat16")
-    bits = _flat_bits(previous)
-    numel = bits.size
-    indices = _flat_bits(change.indices, change.indices.dtype).astype(_position_dtype(numel), copy=False)
-    new_bits = _flat_bits(change.values)
-    if indices.size != new_bits.size:
-        raise ValueError(f"{name}: {indices.size} indices but {new_bits.size} values")
-    if indices.size and not _strictly_ascending(indices, numel):
-        raise ValueError(f"{name}: indices must be strictly ascending positions in [0, {numel})")
-    if old_values is None:
-        return bits, indices, new_bits, bits[indices]
-    old_bits = _flat_bits(old_values)
-    if old_bits.size != indices.size:
-        raise ValueError(f"{name}: {indices.size} indices but {old_bits.size} old values")
-    return bits, indices, new_bits, old_bits
+    if change.indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name}: indices are {change.indices.dtype}, expected int32 or int64")
+    for what, values in (("values", change.values), ("old values", old_values)):
+        if values is not None and values.dtype != torch.bfloat16:
+            raise TypeError(f"{name}: {what} are {values.dtype}, expected bfloat16")
+    indices, values = change.indices, change.values
+    if indices.numel() != values.numel():
+        raise ValueError(f"{name}: {indices.numel()} indices but {values.numel()} values")
+    if old_values is not None and old_values.numel() != indices.numel():
+        raise ValueError(f"{name}: {indices.numel()} indices but {old_values.numel()} old values")
+    return (
+        _held(previous),
+        _held(indices),
+        _held(values),
+        None if old_values is None else _held(old_values),
+    )
 
 
 @numba.njit(nogil=True, cache=True)
@@ -343,7 +416,8 @@ def _class_of(code):
     return np.uint8(length + 11)
 
 
-def _sample_counts(bits: np.ndarray, indices: np.ndarray, old_bits: np.ndarray, *, patched: bool) -> np.ndarray:
+@numba.njit(inline="always")
+def _sample_counts(bits, indices, old_bits, patched):
     """Elements per exponent in a sample of the previous tensor: one element in
     `_SAMPLE_EVERY` (at least `_SAMPLE_RUNS * _SAMPLE_RUN`), in runs spread evenly over the
     tensor (runs rather than a stride, so that the sample reads a few cache lines rather
@@ -492,42 +566,140 @@ def _put_varint(out, at, value):
     return at + 1
 
 
-def _decode_tensor(name: str, entry: torch.Tensor, previous: torch.Tensor, source: str) -> SparseChange:
-    where = f"{source}: {name}{SUFFIX}"
-    if entry.dtype != torch.uint8 or entry.dim() != 1:
-        raise FormatError(f"{where} must be a 1-D uint8 tensor, got {entry.dim()}-D {entry.dtype}")
-    prev_bits = _flat_bits(previous)
-    numel = prev_bits.size
-    reader = _Reader(entry.contiguous().numpy(), where)
-    header = _Header.read(reader, numel)
-    words = reader.rest_as_words(header.words)
-    boundaries = np.array(header.boundaries, np.int64)
-    counts = _group_counts(prev_bits, boundaries)
-    for group, (changed, count) in enumerate(zip(header.changed, counts.tolist())):
-        if changed > count:
-            raise FormatError(f"{where}: group {group} claims {changed} changes among {count} elements")
-    quantized = np.zeros((len(header.changed), _CLASSES), np.uint8)
-    sizes = np.zeros(len(header.changed), np.int64)
-    for group, table in enumerate(header.tables):
-        if table is not None:
-            quantized[group, : table.size] = table
-            sizes[group] = table.size
-    changed = np.array(header.changed, np.int64)
+def _decode_batch(
+    names: list[str], entries: Mapping[str, torch.Tensor], previous: Mapping[str, torch.Tensor], source: str
+) -> dict[str, SparseChange]:
+    """The changes of the named tensors: their headers read here, the rest in one compiled
+    call (with no torch call per tensor, see [`_held`])."""
+    count = len(names)
+    table = np.zeros((count, 6), np.int64)
+    boundaries = np.zeros((count, _MAX_GROUPS - 1), np.int64)
+    groups = np.zeros(count, np.int64)
+    changed = np.zeros((count, _MAX_GROUPS), np.int64)
+    quantized = np.zeros((count, _MAX_GROUPS, _CLASSES), np.uint8)
+    sizes = np.zeros((count, _MAX_GROUPS), np.int64)
+    wide = np.zeros(count, np.bool_)
+    alive, outputs = [], []  # what the compiled call reads and writes by address
+    for t, name in enumerate(names):
+        where = f"{source}: {name}{SUFFIX}"
+        entry = entries[name + SUFFIX]
+        if entry.dtype != torch.uint8 or entry.dim() != 1:
+            raise FormatError(f"{where} must be a 1-D uint8 tensor, got {entry.dim()}-D {entry.dtype}")
+        stream = _held(entry).numpy()
+        held = _held(previous[name])
+        numel = held.numel()
+        reader = _Reader(stream, where)
+        header = _Header.read(reader, numel)
+        reader.check_words(header.words)
+        groups[t] = len(header.changed)
+        boundaries[t, : len(header.boundaries)] = header.boundaries
+        changed[t, : groups[t]] = header.changed
+        for group, table_bytes in enumerate(header.tables):
+            if table_bytes is not None:
+                quantized[t, group, : table_bytes.size] = table_bytes
+                sizes[t, group] = table_bytes.size
+        wide[t] = index_dtype(numel) == torch.int64
+        positions = np.empty(sum(header.changed), np.int64 if wide[t] else np.int32)
+        values = np.empty(positions.size, np.int16)
+        table[t] = (
+            address_of(stream) + reader.pos,
+            header.words,
+            held.data_ptr(),
+            numel,
+            address_of(positions),
+            address_of(values),
+        )
+        alive.append((stream, held))
+        outputs.append((positions, values))
+    errors = _decode_tensors(table, wide, groups, boundaries, changed, quantized, sizes)
+    decoded = {}
+    for t, name in enumerate(names):
+        code, group, members = errors[t].tolist()
+        if code != rans.OK:
+            message = _decode_error(code, group, int(changed[t, group]), members)
+            raise FormatError(f"{source}: {name}{SUFFIX}: {message}")
+        positions, values = outputs[t]
+        decoded[name] = SparseChange(
+            indices=torch.from_numpy(positions),
+            values=torch.frombuffer(values, dtype=torch.bfloat16)
+            if values.size
+            else torch.empty(0, dtype=torch.bfloat16),
+        )
+    return decoded
+
+
+@numba.njit(nogil=True, cache=True)
+def _decode_tensors(table, wide, groups, boundaries, changed, quantized, sizes):
+    """Decode the tensors of `table` (per row: the address of their coder words' first byte
+    and their count, the address and size of their previous bits, and the addresses of the
+    positions, int64 where `wide` else int32, and values to write), with their headers'
+    fields per row: per tensor `(error, group, members)`, an error code (`rans.OK`:
+    decoded), and for a group claiming more changes than it has members, the group and its
+    members."""
+    errors = np.zeros((table.shape[0], 3), np.int64)
+    for t in range(table.shape[0]):
+        g = groups[t]
+        k = 0
+        for group in range(g):
+            k += changed[t, group]
+        words = _words(view(table[t, 0], 4 * table[t, 1], np.uint8))
+        bits = view(table[t, 2], table[t, 3], np.int16)
+        edges, counts, tables, table_sizes = (
+            boundaries[t, : g - 1].copy(),
+            changed[t, :g].copy(),
+            quantized[t, :g],
+            sizes[t, :g].copy(),
+        )
+        values = view(table[t, 5], k, np.int16)
+        if wide[t]:
+            result = _decode_tensor(
+                words, bits, edges, counts, tables, table_sizes, view(table[t, 4], k, np.int64), values
+            )
+        else:
+            result = _decode_tensor(
+                words, bits, edges, counts, tables, table_sizes, view(table[t, 4], k, np.int32), values
+            )
+        errors[t, 0], errors[t, 1], errors[t, 2] = result
+    return errors
+
+
+@numba.njit(inline="always")
+def _words(data):
+    """The little-endian uint32 words of `data`, whatever the machine (and however aligned)."""
+    words = np.empty(data.size // 4, np.uint32)
+    for w in range(words.size):
+        word = np.uint32(0)
+        for byte in range(4):
+            word |= np.uint32(data[4 * w + byte]) << np.uint32(8 * byte)
+        words[w] = word
+    return words
+
+
+@numba.njit(nogil=True, cache=True)
+def _decode_tensor(words, bits, boundaries, changed, quantized, sizes, positions_out, values_out):
+    """One tensor's changes into `positions_out` and `values_out`: `(error, group, members)`
+    as [`_decode_tensors`] returns them."""
+    counts = _group_counts(bits, boundaries)
+    for group in range(counts.size):
+        if changed[group] > counts[group]:
+            return _TOO_MANY_CHANGES, group, counts[group]
     ranks, zigzag, error = _decode_groups(words, counts, changed, quantized, sizes)
     if error != rans.OK:
-        raise FormatError(f"{where}: {_decode_error(error)}")
+        return error, 0, 0
     if counts.size == 1:
-        indices = ranks
+        positions = ranks
     else:
         ends = np.cumsum(changed)
-        indices, sources = _select(prev_bits, boundaries, ranks, ends - changed, ends)
-        if indices.size != ranks.size:  # cannot happen: every rank was checked against its group's size
-            raise FormatError(f"{where}: decoded positions fall outside their groups; the stream is damaged")
+        positions, sources = _select(bits, boundaries, ranks, ends - changed, ends)
+        if positions.size != ranks.size:  # cannot happen: every rank was checked against its group's size
+            return _OUTSIDE_GROUPS, 0, 0
         zigzag = zigzag[sources]
-    return SparseChange(
-        indices=torch.from_numpy(indices.astype(np.int32 if index_dtype(numel) == torch.int32 else np.int64)),
-        values=torch.from_numpy(_unzigzag(zigzag, prev_bits[indices])).view(torch.bfloat16),
-    )
+    for j in range(positions.size):
+        code = np.int32(zigzag[j])
+        positions_out[j] = positions[j]
+        # The signed difference of the bit patterns, added as the encoder took it: wrapping.
+        values_out[j] = np.int16(np.int32(bits[positions[j]]) + ((code >> 1) ^ -(code & 1)))
+    return rans.OK, 0, 0
 
 
 @numba.njit(nogil=True, cache=True)
@@ -667,14 +839,14 @@ class _Reader:
                 return value
         raise FormatError(f"{self.where}: {what} is not a valid varint")
 
-    def rest_as_words(self, count: int) -> np.ndarray:
-        rest = self.data[self.pos :]
-        if rest.size != 4 * count:
+    def check_words(self, count: int) -> None:
+        """That the rest of the stream is `count` coder words."""
+        rest = self.data.size - self.pos
+        if rest != 4 * count:
             raise FormatError(
-                f"{self.where}: entropy-coded data is {rest.size} bytes, the header says {4 * count}; "
+                f"{self.where}: entropy-coded data is {rest} bytes, the header says {4 * count}; "
                 "the stream is truncated or damaged"
             )
-        return rest.view("<u4").astype(np.uint32)
 
 
 @dataclass
@@ -720,28 +892,30 @@ class _Header:
 # -- exponent groups -------------------------------------------------------------------------
 
 
-def _choose_boundaries(
-    prev_bits: np.ndarray, class_counts: np.ndarray, sample_counts: Callable[[], np.ndarray]
-) -> list[int]:
+@numba.njit(nogil=True, cache=True)
+def _choose_boundaries(bits, positions, old_bits, class_counts, patched):
     """Split the exponent line into at most `_MAX_GROUPS` groups so that the estimated coded
-    size, plus a pass over the tensor per boundary, is smallest.
+    size, plus a pass over the tensor per boundary, is smallest: the first exponent of each
+    group but the first (none: one group).
 
     The candidates are runs of single exponents (or of pairs) between two tails, which is
     where the change rate moves: every bound measured on real training streams is within
     1% of that of the best split into as many groups. A group of `n` elements with `k`
     changes costs `n H(k / n)` bits for its positions, the empirical entropy of its value
     classes, and its side information. Element counts are estimated from a sample of the
-    previous tensor, `sample_counts()` (the boundaries are stored, so the decoder needs no estimate).
+    previous tensor, [`_sample_counts`] (the boundaries are stored, so the decoder needs no
+    estimate).
     """
-    numel = prev_bits.size
+    none = np.empty(0, np.int64)
+    numel = bits.size
     if numel < _MIN_GROUPED_NUMEL or class_counts.sum() < _MIN_GROUPED_CHANGES:
-        return []
-    atoms, n, h = _atoms(sample_counts(), class_counts, numel)
+        return none
+    atoms, n, h = _atoms(_sample_counts(bits, positions, old_bits, patched), class_counts, numel)
     if atoms.size <= 1:
-        return []
-    windows = _windows(atoms.size)
-    best = _best_split(n, h, windows.starts, windows.ends, windows.ranges, windows.groups, _GROUP_PENALTY * numel)
-    return atoms[windows.firsts[best, 1 : windows.groups[best]]].tolist()
+        return none
+    starts, ends, ranges, firsts, groups = _windows(atoms.size)
+    best = _best_split(n, h, starts, ends, ranges, groups, _GROUP_PENALTY * numel)
+    return atoms[firsts[best, 1 : groups[best]]].astype(np.int64)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -780,35 +954,45 @@ def _atoms(sampled, class_counts, numel):
     return atoms, n, h
 
 
-@dataclass(frozen=True)
-class _Windows:
-    """The candidate splits of a run of atoms, and the atom ranges their groups are made of."""
-
-    starts: np.ndarray  # first atom of each range
-    ends: np.ndarray  # one past its last atom
-    ranges: np.ndarray  # (splits, _MAX_GROUPS): the range of each group, padded with len(starts)
-    firsts: np.ndarray  # (splits, _MAX_GROUPS): the first atom of each group
-    groups: np.ndarray  # groups in each split
-
-
-@functools.cache
-def _windows(atoms: int) -> _Windows:
-    """Splits of `atoms` atoms into a low tail, a run of single atoms (or of pairs), and a high tail."""
-    splits = [[0]]  # first atom of each group
-    for groups in range(2, _MAX_GROUPS + 1):
-        for stride in (1, 2) if groups > 2 else (1,):
-            for low in range(1, atoms - (groups - 2) * stride):
-                splits.append([0, *range(low, low + (groups - 1) * stride, stride)])
-    ranges: dict[tuple[int, int], int] = {}
-    rows = np.zeros((len(splits), _MAX_GROUPS), np.intp)
-    firsts = np.zeros((len(splits), _MAX_GROUPS), np.intp)
-    for row, split in enumerate(splits):
-        spans = list(zip(split, [*split[1:], atoms]))
-        rows[row] = [*(ranges.setdefault(span, len(ranges)) for span in spans), *[-1] * (_MAX_GROUPS - len(spans))]
-        firsts[row, : len(split)] = split
-    rows[rows < 0] = len(ranges)  # an empty slot: the extra zero cost at the end
-    starts, ends = (np.array(side, np.intp) for side in zip(*ranges))
-    return _Windows(starts, ends, rows, firsts, np.array([len(split) for split in splits]))
+@numba.njit(nogil=True, cache=True)
+def _windows(atoms):
+    """The splits of `atoms` atoms into a low tail, a run of single atoms (or of pairs) and a
+    high tail, and the atom ranges their groups are made of: `(starts, ends, ranges, firsts,
+    groups)`. Range `r` runs from atom `starts[r]` to one before `ends[r]`; split `s` has
+    `groups[s]` groups, the first atom of each in `firsts[s]` and its range in `ranges[s]`
+    (padded with `starts.size`, an empty range)."""
+    splits = 1
+    for group_count in range(2, _MAX_GROUPS + 1):
+        for stride in range(1, 3 if group_count > 2 else 2):
+            splits += max(0, atoms - (group_count - 2) * stride - 1)
+    firsts = np.zeros((splits, _MAX_GROUPS), np.intp)
+    groups = np.ones(splits, np.intp)
+    row = 1
+    for group_count in range(2, _MAX_GROUPS + 1):
+        for stride in range(1, 3 if group_count > 2 else 2):
+            for low in range(1, atoms - (group_count - 2) * stride):
+                for group in range(1, group_count):
+                    firsts[row, group] = low + (group - 1) * stride
+                groups[row] = group_count
+                row += 1
+    # Number each distinct (first, end) range in the order the splits meet it.
+    number = np.full((atoms + 1, atoms + 1), -1, np.intp)
+    starts = np.empty(splits * _MAX_GROUPS, np.intp)
+    ends = np.empty(splits * _MAX_GROUPS, np.intp)
+    ranges = np.empty((splits, _MAX_GROUPS), np.intp)
+    found = 0
+    for row in range(splits):
+        for group in range(groups[row]):
+            first = firsts[row, group]
+            end = firsts[row, group + 1] if group + 1 < groups[row] else atoms
+            if number[first, end] < 0:
+                number[first, end] = found
+                starts[found], ends[found] = first, end
+                found += 1
+            ranges[row, group] = number[first, end]
+    for row in range(splits):
+        ranges[row, groups[row] :] = found
+    return starts[:found].copy(), ends[:found].copy(), ranges, firsts, groups
 
 
 @numba.njit(inline="always")
@@ -854,11 +1038,6 @@ def _best_split(n, h, starts, ends, ranges, groups, boundary_bits):
 
 
 # -- entropy-coded fields --------------------------------------------------------------------
-
-
-def _unzigzag(zigzag: np.ndarray, old_bits: np.ndarray) -> np.ndarray:
-    diff = (zigzag >> 1).view(np.int16) ^ -(zigzag & 1).view(np.int16)
-    return old_bits + diff
 
 
 # Thresholds of the quarter-bit rounding of log2: ceil(2^30 * 2^((2i + 1) / 8)) for i in 0..3.
@@ -1134,16 +1313,21 @@ def _position_tops(ranks, count, complement, shift):
     return tops, lows, excess[:escaped]
 
 
-# Error codes of the compiled group decoder, beyond those of `rans`.
+# Error codes of the compiled decoder, beyond those of `rans`.
 _GAP_TOO_LONG = 101
 _PAST_GROUP = 102
+_TOO_MANY_CHANGES = 103
+_OUTSIDE_GROUPS = 104
 _GROUP_MESSAGES = {
     _GAP_TOO_LONG: "an escaped gap is longer than 2^48",
     _PAST_GROUP: "decoded positions run past the end of their group",
+    _OUTSIDE_GROUPS: "decoded positions fall outside their groups",
 }
 
 
-def _decode_error(code: int) -> str:
+def _decode_error(code: int, group: int, changed: int, members: int) -> str:
+    if code == _TOO_MANY_CHANGES:
+        return f"group {group} claims {changed} changes among {members} elements"
     if code in _GROUP_MESSAGES:
         return f"{_GROUP_MESSAGES[code]}; the stream is damaged"
     return rans.error_message(code)

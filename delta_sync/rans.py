@@ -196,8 +196,10 @@ def encode(starts: np.ndarray, freqs: np.ndarray, scales: np.ndarray, lanes: int
     out = np.empty(count + 2 * lanes, np.uint32)
     at = out.size
     states = np.full(lanes, _LOW, np.int64)
+    # Symbol i's lane is i % lanes, counted down rather than divided for (a division per symbol
+    # costs more than the coding).
+    lane = (count - 1) % lanes if count else 0
     for i in range(count - 1, -1, -1):
-        lane = i % lanes
         state = states[lane]
         freq = freqs[i]
         scale = np.int64(scales[i])
@@ -211,6 +213,7 @@ def encode(starts: np.ndarray, freqs: np.ndarray, scales: np.ndarray, lanes: int
         else:
             quotient = state // freq
             states[lane] = (quotient << scale) + (state - quotient * freq) + starts[i]
+        lane = lane - 1 if lane else lanes - 1
     for lane in range(lanes - 1, -1, -1):
         at -= 2
         out[at] = np.uint32(states[lane] & _WORD_MASK)
@@ -220,11 +223,12 @@ def encode(starts: np.ndarray, freqs: np.ndarray, scales: np.ndarray, lanes: int
 
 # -- decoder ---------------------------------------------------------------------------------
 #
-# A decoder's position is an int64 array `ctx`: the next word, the number of symbols decoded
-# so far, the number of lanes (the two pick the lane), then the lanes' states.
+# A decoder's position is an int64 array `ctx`: the next word, the lane of the next symbol
+# (symbol i's is i % lanes, kept rather than divided for), the number of lanes, then the
+# lanes' states.
 
 _WORD = 0
-_DECODED = 1
+_LANE = 1
 _LANES = 2
 _STATES = 3
 
@@ -260,7 +264,7 @@ def _advance(ctx, words, lane, state, freq, offset, scale):
         state = (state << np.int64(32)) | np.int64(words[at])
         ctx[_WORD] = at + 1
     ctx[_STATES + lane] = state
-    ctx[_DECODED] += 1
+    ctx[_LANE] = lane + 1 if lane + 1 < ctx[_LANES] else 0
     return OK
 
 
@@ -286,7 +290,7 @@ def lookup(table: np.ndarray) -> np.ndarray:
 def decode_symbol(ctx: np.ndarray, words: np.ndarray, table: np.ndarray, starts: np.ndarray) -> int:
     """The next symbol, coded with the [`cumulative`] `table` (trusted: built by this module)
     whose [`lookup`] is `starts`, or minus an error code."""
-    lane = ctx[_DECODED] % ctx[_LANES]
+    lane = ctx[_LANE]
     state = ctx[_STATES + lane]
     slot = state & ((np.int64(1) << np.int64(PRECISION)) - 1)
     # The symbol s with table[s] <= slot < table[s + 1]: zero frequencies are never found.
@@ -304,7 +308,7 @@ def decode_bits(ctx: np.ndarray, words: np.ndarray, width: int) -> int:
     """The next raw value of `width` bits (0 to `MAX_RAW_BITS`), or minus an error code."""
     if width < 0 or width > MAX_RAW_BITS:
         return -BAD_TABLE
-    lane = ctx[_DECODED] % ctx[_LANES]
+    lane = ctx[_LANE]
     state = ctx[_STATES + lane]
     value = state & ((np.int64(1) << np.int64(width)) - 1)
     error = _advance(ctx, words, lane, state, np.int64(1), np.int64(0), np.int64(width))

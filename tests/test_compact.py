@@ -405,6 +405,16 @@ def test_header_fields_are_validated():
             decode_changes({"w" + SUFFIX: stream}, {"w": previous}, {"w": (1000,)}, source=SOURCE)
 
 
+def test_a_group_claiming_more_changes_than_members_is_refused_naming_its_tensor(encoded):
+    # Every tensor of a file decodes in one compiled call: the error still names the one at fault.
+    previous, _, stream = encoded
+    held = torch.zeros(1000, dtype=torch.bfloat16)  # every element in group 0 (exponent 0)
+    entries = {"w" + SUFFIX: stream, "bad" + SUFFIX: header(2, [100], [varint(0), varint(3)], [b"", b"\x01\x05\x05"])}
+    shapes = {"w": tuple(previous.shape), "bad": (1000,)}
+    with pytest.raises(FormatError, match=r"bad\.compact: group 1 claims 3 changes among 0 elements"):
+        decode_changes(entries, {"w": previous, "bad": held}, shapes, source=SOURCE)
+
+
 def test_a_huge_claimed_count_is_refused_before_allocating():
     previous = torch.zeros(1000, dtype=torch.bfloat16)
     stream = header(1, [], [varint(2**40)], [b"\x01\x05\x05"])

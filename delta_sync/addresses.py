@@ -1,0 +1,59 @@
+"""Many numpy arrays handed to one compiled call, by address.
+
+A compiled (numba) pass over each tensor of a model is one call per tensor, and each call
+returns to Python holding the GIL: where another thread runs Python (on a trainer, the one
+that launches the training kernels; on a replica, vLLM's), every return waits for that
+thread's GIL switch interval (5 ms), which on a model of hundreds of tensors costs more
+than the passes themselves. Handing a call the addresses and sizes of all its arrays lets
+one call, without the GIL, do them all. (numba's typed lists would do the same, but
+compile their own methods in every process, most of a second before the first encode.)
+
+The caller keeps the arrays alive, C-contiguous and of the dtype it names, for the call.
+
+Example:
+    ```python
+    >>> table = np.array([[address_of(a), a.size] for a in arrays], np.int64)
+    >>> @numba.njit(nogil=True)
+    ... def total(table):
+    ...     return sum(view(table[i, 0], table[i, 1], np.int16).sum() for i in range(table.shape[0]))
+    ```
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+__all__ = ["address_of", "view"]
+
+
+def address_of(array: np.ndarray) -> int:
+    """The address of a C-contiguous array's first element.
+
+    Raises:
+        ValueError: The array is not C-contiguous (its elements are not at `address + i * itemsize`).
+    """
+    if not array.flags.c_contiguous:
+        raise ValueError("only a C-contiguous array can be passed by address")
+    return array.__array_interface__["data"][0]
+
+
+@intrinsic
+def _pointer(typingctx, address):
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return types.voidptr(address), codegen
+
+
+@numba.njit(inline="always")
+def view(address, size, dtype):
+    """The `size` elements of `dtype` at `address`, as a C-contiguous 1-D array (from
+    `numba.njit` functions only; nothing is copied or checked)."""
+    return numba.carray(_pointer(address), size, dtype)
