@@ -326,7 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.set_defaults(run=_inspect)
 
-    verify = commands.add_parser("verify", help="replay a bucket's anchors and deltas and check each file")
+    verify = commands.add_parser(
+        "verify", help="replay a bucket's anchors and deltas (or fetch its adapter versions) and check each file"
+    )
     verify.add_argument("bucket", help="bucket URL or local directory")
     verify.add_argument("--json", action="store_true", help="print JSON instead of text")
     verify.add_argument(

@@ -644,7 +644,7 @@ def _decode_tensors(table, wide, groups, boundaries, changed, quantized, sizes):
             k += changed[t, group]
         words = _words(view(table[t, 0], 4 * table[t, 1], np.uint8))
         bits = view(table[t, 2], table[t, 3], np.int16)
-        edges, counts, tables, table_sizes = (
+        edges, changes, tables, table_sizes = (
             boundaries[t, : g - 1].copy(),
             changed[t, :g].copy(),
             quantized[t, :g],
@@ -653,11 +653,11 @@ def _decode_tensors(table, wide, groups, boundaries, changed, quantized, sizes):
         values = view(table[t, 5], k, np.int16)
         if wide[t]:
             result = _decode_tensor(
-                words, bits, edges, counts, tables, table_sizes, view(table[t, 4], k, np.int64), values
+                words, bits, edges, changes, tables, table_sizes, view(table[t, 4], k, np.int64), values
             )
         else:
             result = _decode_tensor(
-                words, bits, edges, counts, tables, table_sizes, view(table[t, 4], k, np.int32), values
+                words, bits, edges, changes, tables, table_sizes, view(table[t, 4], k, np.int32), values
             )
         errors[t, 0], errors[t, 1], errors[t, 2] = result
     return errors

@@ -24,7 +24,8 @@ from delta_sync.errors import FormatError, ReplicaError, SignatureError, Unserva
 from delta_sync.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LATEST, Latest, adapter_dir
 from delta_sync.replica.adapter import AdapterFetcher
 from delta_sync.replica.follow import Follower
-from delta_sync.signing import SIGNATURE_SUFFIX, SigningKey
+from delta_sync.replica.verify import verify_bucket
+from delta_sync.signing import BUCKET_ID_ENV, SIGNATURE_SUFFIX, SigningKey
 from delta_sync.storage.cache import DownloadCache
 from delta_sync.trainer.adapter import AdapterPublisher, PeftPublish
 from delta_sync.trainer.publisher import PublisherOptions
@@ -291,6 +292,42 @@ def test_the_fetcher_refuses_unsigned_tampered_and_merged_buckets(signed_run, tm
     detector.close()
     with pytest.raises(FormatError, match=r"not as an adapter; this bucket is published in merged mode"):
         fetcher(tmp_path / "t5", None).fetch(merged)
+
+
+def test_verify_checks_every_adapter_version_as_a_replica_would(signed_run, tmp_path, monkeypatch):
+    bucket, key, _ = signed_run
+    monkeypatch.setenv(BUCKET_ID_ENV, BUCKET_ID)
+    report = verify_bucket(bucket, verify_key=key.verify_key, progress=False)
+    assert report.ok and report.replayed_version == 2, report.to_dict()
+    assert [step.path for step in report.steps] == [adapter_dir(1), adapter_dir(2), LATEST]
+    tampered = copy_of(bucket, tmp_path, "tampered")
+    tamper(tampered, 1)
+    report = verify_bucket(tampered, verify_key=key.verify_key, progress=False)
+    failed = [step for step in report.steps if not step.ok]
+    assert not report.ok and [step.path for step in failed] == [adapter_dir(1)]
+    assert "is not the one signed" in failed[0].message
+    # Without a key, the newest version's weights must still be those latest.json records.
+    tamper(tampered, 2)
+    report = verify_bucket(tampered, progress=False)
+    assert [step.path for step in report.steps if not step.ok] == [adapter_dir(2), LATEST]
+    assert "latest.json records" in report.steps[1].message
+
+
+def test_a_resumed_run_keeps_its_history_fetchable_and_verified(signed_run, tmp_path, monkeypatch):
+    # A resume is a new epoch: versions before its first (the run's history) stay signed
+    # for the old one, and are still the run's.
+    bucket, key, model = signed_run
+    run_id = Latest.from_json((bucket / LATEST).read_bytes()).run_id
+    options = PublisherOptions(signing_key=key, background=False, bucket_id=BUCKET_ID, run_id=run_id)
+    publisher = AdapterPublisher(bucket, model, options)
+    publisher.publish(2)  # the resumed run stores version 2 again, in its own epoch
+    publisher.close()
+    latest = Latest.from_json((bucket / LATEST).read_bytes())
+    assert latest.epoch_start == 2 and latest.version == 2
+    assert fetcher(tmp_path, key, BUCKET_ID).fetch(bucket, version=1).version == 1
+    monkeypatch.setenv(BUCKET_ID_ENV, BUCKET_ID)
+    report = verify_bucket(bucket, verify_key=key.verify_key, progress=False)
+    assert report.ok, report.to_dict()
 
 
 def test_the_fetcher_refuses_an_older_pointer_put_back(signed_run, tmp_path):

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from ..control import AdapterStatus
 from ..errors import ApplyError, FormatError, OversizedFileError, SignatureError
-from ..layout import ADAPTER_CONFIG, ADAPTER_FILES, ADAPTER_WEIGHTS, LATEST, Latest, adapter_dir
+from ..layout import ADAPTER_CONFIG, ADAPTER_FILES, ADAPTER_WEIGHTS, LATEST, Latest, adapter_dir, parse_adapter_path
 from ..signing import FileSignature, bucket_identity, file_sha256
 from ..storage import Bucket
 
@@ -138,11 +138,14 @@ class AdapterFetcher:
         return latest
 
     def _signature(self, bucket: Bucket, latest: Latest, path: str) -> FileSignature | None:
-        """With a verify key: the file's signature, checked for the key, path, bucket, run and epoch."""
+        """With a verify key: the file's signature, checked for the key, path, bucket, run and
+        epoch (any epoch of the run for a version before `latest.epoch_start`: the run's history)."""
         signature = self.receiver.read_signature(bucket, path)
         if signature is None:
             return None
-        if (signature.about.run_id, signature.about.epoch) != (latest.run_id, latest.epoch):
+        version = parse_adapter_path(path)
+        history = bool(latest.epoch_start) and version is not None and version < latest.epoch_start
+        if signature.about.run_id != latest.run_id or (not history and signature.about.epoch != latest.epoch):
             raise SignatureError(
                 f"{bucket.url}/{path}: signed for run {signature.about.run_id} (epoch {signature.about.epoch or '-'}), "
                 f"but latest.json names run {latest.run_id} (epoch {latest.epoch or '-'})"

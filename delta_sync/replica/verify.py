@@ -11,10 +11,11 @@ from tqdm.auto import tqdm
 
 from ..errors import BucketFileNotFoundError, DeltaSyncError
 from ..format import Anchor, DeltaFile
-from ..layout import LATEST, Latest, version_files
+from ..layout import ADAPTER_DIR, LATEST, Latest, adapter_dir, parse_adapter_path, version_files
 from ..signing import VerifyKey
 from ..storage import Bucket, open_bucket
 from ..storage.cache import DownloadCache
+from .adapter import AdapterFetcher
 from .receiver import Receiver
 
 __all__ = ["VerifyReport", "VerifyStep", "verify_bucket"]
@@ -70,7 +71,9 @@ def verify_bucket(
     listing that fails. Files of versions past `latest.json` (stored, not yet published,
     e.g. by a trainer that crashed in between) are listed and ignored. A check never
     passes on nothing: a path without `latest.json` (a typo, an empty directory, a run
-    that has published nothing yet) fails.
+    that has published nothing yet) fails. A bucket published in adapter mode
+    (`latest.json` names an adapter) has no chain: each stored adapter version is fetched
+    as a replica fetches it, and the newest must be the one `latest.json` records.
 
     Args:
         bucket: The bucket or its URL.
@@ -103,6 +106,9 @@ def verify_bucket(
     except Exception as exc:
         report.add(LATEST, False, _problem(exc))
         latest = None
+    if latest is not None and latest.adapter is not None:
+        _verify_adapters(report, opened, latest, verify_key, progress)
+        return report
     if latest is not None:
         ahead = sorted(v for v in {*anchors, *deltas} if v > latest.version)
         if ahead:
@@ -137,6 +143,42 @@ def verify_bucket(
                 f"names version {latest.version}" + ("" if ok else f", but the replay reached {reached}"),
             )
     return report
+
+
+def _verify_adapters(
+    report: VerifyReport, bucket: Bucket, latest: Latest, verify_key: VerifyKey | str | None, progress: bool | None
+) -> None:
+    """A bucket published in adapter mode: every adapter version stored up to `latest.json`'s
+    is fetched as a replica would fetch it (signatures, signed sizes, both files a LoRA
+    adapter, and the newest one's weights the ones `latest.json` records)."""
+    try:
+        stored = sorted({v for v in map(parse_adapter_path, bucket.list(ADAPTER_DIR)) if v is not None})
+    except Exception as exc:
+        report.add(f"{ADAPTER_DIR}/", False, f"cannot list the adapter versions: {_problem(exc)}")
+        return
+    ahead = [v for v in stored if v > latest.version]
+    if ahead:
+        report.add(f"{ADAPTER_DIR}/", True, f"versions {ahead} are stored but not published yet: ignored")
+    published = [v for v in stored if v <= latest.version]
+    fetched = set()
+    with tempfile.TemporaryDirectory(prefix="delta-sync-verify-") as cache_dir:
+        fetcher = AdapterFetcher(Receiver(cache=DownloadCache(cache_dir), verify_key=verify_key), keep=1)
+        for version in tqdm(published, desc="verify", unit="version", disable=_progress_off(progress)):
+            path = adapter_dir(version)
+            try:
+                fetcher.fetch(bucket, version)
+            except Exception as exc:
+                report.add(path, False, _problem(exc))
+                continue
+            fetched.add(version)
+            signed = ", signed for this run" if fetcher.receiver.verify_key is not None else ""
+            report.add(path, True, f"a LoRA adapter vLLM can load{signed}")
+    report.replayed_version = max(fetched, default=None)
+    if latest.version in fetched:
+        report.add(LATEST, True, f"names adapter version {latest.version}, with its weights' SHA-256")
+    else:
+        why = "which failed its checks" if latest.version in published else "which is not stored"
+        report.add(LATEST, False, f"names adapter version {latest.version}, {why}")
 
 
 def _check(report: VerifyReport, receiver: Receiver, bucket: Bucket, path: str, message: str) -> bool:
