@@ -107,6 +107,23 @@ def test_the_prefetch_thread_yields_the_cores_to_the_server(stepwise, tmp_path):
         Prefetcher(receiver, niceness=20)
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="only Linux moves a thread to given CPUs")
+def test_the_prefetch_thread_runs_on_the_cpus_it_is_given(stepwise, tmp_path):
+    receiver, _ = node_worker(tmp_path / "snapshots")
+    mine = os.sched_getaffinity(0)
+    chosen = max(mine)
+    prefetcher = Prefetcher(receiver, interval=3600, cpus={chosen})
+    assert prefetcher.running_on is None  # not started
+    prefetcher.start()
+    try:
+        wait_for(lambda: prefetcher.running_on == [chosen], f"the prefetch thread moved to CPU {chosen}")
+        assert os.sched_getaffinity(0) == mine  # the caller keeps its own
+    finally:
+        prefetcher.stop()
+    with pytest.raises(ValueError, match="cpus must name at least one CPU"):
+        Prefetcher(receiver, cpus=())
+
+
 def test_a_private_snapshot_is_not_prefetched(stepwise):
     receiver, _ = replica_receiver()
     with pytest.raises(ValueError, match="needs a shared snapshot"):

@@ -7,6 +7,7 @@ starts its chain with an anchor, so tests do not depend on each other's weights.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -217,6 +218,12 @@ def test_a_hinted_version_is_prepared_while_the_server_keeps_generating(vllm_ser
             "/collective_rpc", json={"method": "delta_sync_prefetch", "kwargs": {"bucket": trainer.bucket}}
         )
         assert answer.status_code == 200, answer.text
+        (hint,) = answer.json()["results"]
+        assert hint["prefetching"] is True
+        # vLLM's CPU backend binds the worker's compute threads to some of the cores (here
+        # `auto`: all but one): the prefetch thread prepares on the others, where there are any.
+        spare = set(os.sched_getaffinity(0)) - set(hint["compute_cpus"])
+        assert set(hint["prefetch_cpus"]) == (spare or set(hint["compute_cpus"])), hint
         status = wait_for(
             lambda: (now := vllm_server.status())["prepared_version"] == target and now,
             f"v{target} prepared by the prefetch thread",

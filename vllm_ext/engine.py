@@ -284,7 +284,13 @@ def make_prefetcher(receiver: Receiver, buckets: list[str]) -> Prefetcher | None
         interval = float(raw) if raw else 2.0
     except ValueError:
         raise ValueError(f"{PREFETCH_ENV} must be a number of seconds or 'off', got {raw!r}") from None
-    prefetcher = Prefetcher(receiver, interval=interval)
+    spare = spare_cpus()
+    prefetcher = Prefetcher(receiver, interval=interval, cpus=spare)
+    if spare is not None:
+        logger.info(
+            "delta-sync: the prefetch thread runs on CPU(s) %s, which this worker's compute threads leave free",
+            _cpu_list(spare),
+        )
     for bucket in buckets:
         try:
             prefetcher.watch(bucket)
@@ -292,6 +298,38 @@ def make_prefetcher(receiver: Receiver, buckets: list[str]) -> Prefetcher | None
             logger.info("delta-sync: not prefetching from %s: %s", bucket, exc)
     prefetcher.start()
     return prefetcher
+
+
+def spare_cpus() -> set[int] | None:
+    """The CPUs this server may use that no worker computes on, for the prefetch thread;
+    None where there are none, or no way to tell. Call it on the worker's main thread.
+
+    vLLM's CPU backend binds each worker's OpenMP threads to cores of their own
+    (`VLLM_CPU_OMP_THREADS_BIND`: `auto` by default) and leaves the rest to its scheduler
+    and API server. A thread inherits its creator's cores, so a prefetch thread started by
+    the worker would share the cores every token is computed on: measured on two cores,
+    preparing a version then stalled generation for 22-26 times the median gap between
+    tokens, 5-8 times on the spare core (docs/benchmarks.md).
+    """
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    try:
+        computing = os.sched_getaffinity(0)
+        # What the server was started with: the worker's parent (vLLM's engine process) is
+        # not bound, while the worker binds itself as it starts.
+        available = os.sched_getaffinity(os.getppid())
+    except OSError:
+        return None
+    bound = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    for part in bound.replace("|", ",").split(","):
+        first, _, last = part.strip().partition("-")
+        if first.isdigit() and (not last or last.isdigit()):
+            computing |= set(range(int(first), int(last or first) + 1))  # every worker's
+    return (available - computing) or None
+
+
+def _cpu_list(cpus: set[int]) -> str:
+    return ",".join(str(cpu) for cpu in sorted(cpus))
 
 
 def snapshot_root_from_env() -> Path | None:

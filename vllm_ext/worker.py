@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -67,15 +68,24 @@ class DeltaWorkerExtension:
         """Prepare the newest version of `bucket` (and of every bucket watched) in the
         snapshot now, on the engine's prefetch thread, while the server keeps generating.
         Returns at once: the worker's status (`prepared_version` moves once the version is
-        ready: poll `delta_sync_status`) and `prefetching`, whether this worker prepares
-        versions ahead at all (not with `DELTA_SYNC_PREFETCH=off` or a private snapshot).
+        ready: poll `delta_sync_status`); `prefetching`, whether this worker prepares
+        versions ahead at all (not with `DELTA_SYNC_PREFETCH=off` or a private snapshot);
+        and the CPUs the prefetch thread and this worker's compute thread run on
+        (`prefetch_cpus`, `compute_cpus`; None where unknown).
 
         Args:
             bucket: A bucket URL to watch from now on; it must be on the allow list.
         """
         engine = self._delta_engine()
         engine.hint(bucket)
-        return {"prefetching": engine.prefetcher is not None, **self.delta_sync_status()}
+        prefetcher = engine.prefetcher
+        return {
+            "prefetching": prefetcher is not None,
+            "prefetch_cpus": None if prefetcher is None else prefetcher.running_on,
+            # RPCs run on the worker's main thread, which computes the model.
+            "compute_cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            **self.delta_sync_status(),
+        }
 
     def delta_sync_fetch_adapter(self, bucket: str, version: int | None = None) -> dict[str, Any]:
         """Fetch an adapter version (adapter mode) of `bucket` into this worker's download

@@ -23,6 +23,7 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Collection
 
 from ..errors import BucketFileNotFoundError
 from ..layout import LATEST
@@ -45,7 +46,9 @@ class Prefetcher:
     The thread runs at a lower scheduling priority than the rest of the process (on
     Linux, where a thread has a nice value of its own; the threads it starts inherit it):
     on a machine whose cores the server's engine keeps busy, preparing a version then
-    takes the cores generation leaves idle rather than a share of those it uses.
+    takes the cores generation leaves idle rather than a share of those it uses. Where
+    the server binds its compute threads to some cores, pass the others as `cpus`: a
+    thread otherwise inherits the cores of the thread that starts it.
 
     Args:
         receiver: The receiver whose snapshot to prepare; its store must be shared (a
@@ -54,10 +57,18 @@ class Prefetcher:
         max_backoff: Longest wait, in seconds, between polls that fail.
         niceness: How much lower the thread's priority is than the process's (added to
             its nice value, 0-19; 0 leaves it as it is).
+        cpus: The CPUs the thread runs on (Linux); None: those of the thread that calls
+            [`start`].
     """
 
     def __init__(
-        self, receiver: Receiver, *, interval: float = 2.0, max_backoff: float = 60.0, niceness: int = 10
+        self,
+        receiver: Receiver,
+        *,
+        interval: float = 2.0,
+        max_backoff: float = 60.0,
+        niceness: int = 10,
+        cpus: Collection[int] | None = None,
     ) -> None:
         if not interval > 0:
             raise ValueError(f"interval must be > 0, got {interval}")
@@ -67,6 +78,9 @@ class Prefetcher:
         self.interval = interval
         self.max_backoff = max(max_backoff, interval)
         self.niceness = niceness
+        self.cpus = None if cpus is None else frozenset(cpus)
+        if self.cpus is not None and not self.cpus:
+            raise ValueError("cpus must name at least one CPU (or be None)")
         #: The polling thread's id in the operating system, once it runs.
         self.native_id: int | None = None
         self._buckets: dict[str, Bucket] = {}
@@ -76,6 +90,17 @@ class Prefetcher:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_problem: str | None = None
+
+    @property
+    def running_on(self) -> list[int] | None:
+        """The CPUs the thread may run on, as the operating system has them; None before it
+        runs or where that cannot be read."""
+        if self.native_id is None or not hasattr(os, "sched_getaffinity"):
+            return None
+        try:
+            return sorted(os.sched_getaffinity(self.native_id))
+        except OSError:  # the thread has ended
+            return None
 
     @property
     def watched(self) -> list[str]:
@@ -125,6 +150,7 @@ class Prefetcher:
     def _run(self) -> None:
         self.native_id = threading.get_native_id()
         self._lower_priority()
+        self._move_to_cpus()
         delay = self.interval
         while not self._stopping.is_set():
             self._wake.wait(delay)
@@ -141,6 +167,16 @@ class Prefetcher:
             os.setpriority(os.PRIO_PROCESS, self.native_id, min(19, current + self.niceness))
         except OSError as exc:  # e.g. a sandbox that forbids it: prefetching still works
             logger.info("delta-sync: cannot lower the prefetch thread's priority: %s", exc)
+
+    def _move_to_cpus(self) -> None:
+        if self.cpus is None:
+            return
+        try:
+            os.sched_setaffinity(0, self.cpus)  # 0: this thread
+        except (AttributeError, OSError) as exc:  # not Linux, or CPUs this process may not use
+            logger.info(
+                "delta-sync: the prefetch thread stays on its CPUs (cannot move to %s: %s)", sorted(self.cpus), exc
+            )
 
     def _prefetch(self, bucket: Bucket) -> bool:
         with self._lock:
