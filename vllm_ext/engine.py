@@ -289,7 +289,7 @@ def make_prefetcher(receiver: Receiver, buckets: list[str]) -> Prefetcher | None
     if spare is not None:
         logger.info(
             "delta-sync: the prefetch thread runs on CPU(s) %s, which this worker's compute threads leave free",
-            _cpu_list(spare),
+            ",".join(map(str, sorted(spare))),
         )
     for bucket in buckets:
         try:
@@ -309,7 +309,7 @@ def spare_cpus() -> set[int] | None:
     and API server. A thread inherits its creator's cores, so a prefetch thread started by
     the worker would share the cores every token is computed on: measured on two cores,
     preparing a version then stalled generation for 22-26 times the median gap between
-    tokens, 5-8 times on the spare core (docs/benchmarks.md).
+    tokens, 4-8 times in most runs on the spare core (docs/benchmarks.md).
     """
     if not hasattr(os, "sched_getaffinity"):
         return None
@@ -326,10 +326,6 @@ def spare_cpus() -> set[int] | None:
         if first.isdigit() and (not last or last.isdigit()):
             computing |= set(range(int(first), int(last or first) + 1))  # every worker's
     return (available - computing) or None
-
-
-def _cpu_list(cpus: set[int]) -> str:
-    return ",".join(str(cpu) for cpu in sorted(cpus))
 
 
 def snapshot_root_from_env() -> Path | None:
