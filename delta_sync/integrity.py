@@ -16,16 +16,19 @@ Two kinds of integrity data travel in every file:
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
+import numba
 import numpy as np
 import torch
 import xxhash
 
+from .addresses import view
+
 __all__ = [
     "PayloadHasher",
     "add_checksums",
+    "apply_checksums",
     "format_checksum",
     "model_checksum",
     "parse_checksum",
@@ -34,8 +37,7 @@ __all__ = [
     "updated_checksum",
 ]
 
-# Elements hashed per numpy call. 64K uint64 temporaries stay in the L2 cache, which
-# makes a full-tensor checksum about twice as fast as with large chunks.
+# Positions computed per call of a shard's `position_of`: 64K of them stay in the L2 cache.
 _CHUNK = 1 << 16
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -44,15 +46,68 @@ _MIX2 = np.uint64(0x94D049BB133111EB)
 _MASK64 = (1 << 64) - 1
 
 
-def _mix_into(z: np.ndarray, scratch: np.ndarray) -> None:
-    """splitmix64's finalizer, in place on `z` (uint64), using `scratch` as temporary."""
-    np.multiply(z, _GOLDEN, out=z)
-    for shift, factor in ((30, _MIX1), (27, _MIX2)):
-        np.right_shift(z, np.uint64(shift), out=scratch)
-        np.bitwise_xor(z, scratch, out=z)
-        np.multiply(z, factor, out=z)
-    np.right_shift(z, np.uint64(31), out=scratch)
-    np.bitwise_xor(z, scratch, out=z)
+@numba.njit(inline="always")
+def _element_hash(position, bits):
+    """splitmix64's finalizer of `position << 16 | bits` (bits: the bf16 pattern, as uint16)."""
+    z = ((np.uint64(position) << np.uint64(16)) | np.uint64(bits)) * _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+@numba.njit(nogil=True, cache=True)
+def _hash_run(bits, first):
+    """Sum mod 2^64 of the hashes of `(first + i, bits[i])`."""
+    total = np.uint64(0)
+    for i in range(bits.size):
+        total += _element_hash(first + i, np.uint16(bits[i]))
+    return total
+
+
+@numba.njit(nogil=True, cache=True)
+def _hash_at(bits, positions):
+    """Sum mod 2^64 of the hashes of `(positions[i], bits[i])`."""
+    total = np.uint64(0)
+    for i in range(bits.size):
+        total += _element_hash(positions[i], np.uint16(bits[i]))
+    return total
+
+
+@numba.njit(nogil=True, cache=True)
+def _apply_one(bits, positions, new_bits, old_bits):
+    """One row of [`_apply_changes`]: `(index of the first position out of range or -1, hash difference)`."""
+    total = np.uint64(0)
+    for i in range(positions.size):
+        position = positions[i]
+        if position < 0 or position >= bits.size:
+            return i, total
+        old = bits[position]
+        old_bits[i] = old
+        total += _element_hash(position, new_bits[i]) - _element_hash(position, old)
+    return -1, total
+
+
+@numba.njit(nogil=True, cache=True)
+def _apply_changes(table, wide):
+    """For each row of `table` (the addresses of a tensor's bits, its changes' positions,
+    their new bits and a buffer for the old ones, the tensor's and the changes' sizes):
+    copies the bits at the positions into the buffer and returns, per row, the sum of the
+    hashes of the new elements less that of the old ones, and the index of the first
+    change whose position is out of range (-1: none). Positions are int64 if `wide`, else int32."""
+    rows = table.shape[0]
+    differences = np.zeros(rows, np.uint64)
+    errors = np.full(rows, -1, np.int64)
+    for t in range(rows):
+        numel, count = table[t, 4], table[t, 5]
+        bits = view(table[t, 0], numel, np.uint16)
+        new_bits = view(table[t, 2], count, np.uint16)
+        old_bits = view(table[t, 3], count, np.uint16)
+        if wide:
+            error, difference = _apply_one(bits, view(table[t, 1], count, np.int64), new_bits, old_bits)
+        else:
+            error, difference = _apply_one(bits, view(table[t, 1], count, np.int32), new_bits, old_bits)
+        errors[t], differences[t] = error, difference
+    return differences, errors
 
 
 def _hash_sum(
@@ -63,35 +118,19 @@ def _hash_sum(
     """Sum mod 2^64 of the element hashes of `(position, bits)` pairs.
 
     `positions` defaults to `0, 1, 2, ...` (a whole tensor); `position_of(start, stop)`
-    computes them chunk by chunk instead (a shard's positions in the full tensor). Works
-    through the input in cache-sized chunks with preallocated buffers.
+    computes them chunk by chunk instead (a shard's positions in the full tensor). Each
+    compiled call runs without the GIL.
     """
-    bits = bits.view(np.uint16)
-    size = min(_CHUNK, bits.size)
-    z = np.empty(size, np.uint64)
-    scratch = np.empty(size, np.uint64)
-    total = 0
-    for start in range(0, bits.size, _CHUNK):
-        chunk = bits[start : start + _CHUNK]
-        n = chunk.size
-        if position_of is not None:
-            z[:n] = position_of(start, start + n)
-            np.left_shift(z[:n], np.uint64(16), out=z[:n])
-        elif positions is None:
-            np.add(_shifted_arange(size)[:n], np.uint64(start << 16), out=z[:n])
-        else:
-            z[:n] = positions[start : start + n]
-            np.left_shift(z[:n], np.uint64(16), out=z[:n])
-        np.bitwise_or(z[:n], chunk, out=z[:n], casting="unsafe")
-        _mix_into(z[:n], scratch[:n])
-        # numpy's uint64 sum wraps modulo 2^64, the group the checksum lives in.
-        total += int(z[:n].sum(dtype=np.uint64))
-    return total & _MASK64
-
-
-@functools.lru_cache(maxsize=4)
-def _shifted_arange(size: int) -> np.ndarray:
-    return np.arange(size, dtype=np.uint64) << np.uint64(16)
+    bits = np.ascontiguousarray(bits.view(np.uint16))
+    if position_of is not None:
+        total = 0
+        for start in range(0, bits.size, _CHUNK):
+            chunk = np.ascontiguousarray(position_of(start, min(start + _CHUNK, bits.size)), np.int64)
+            total += int(_hash_at(bits[start : start + chunk.size], chunk))
+        return total & _MASK64
+    if positions is None:
+        return int(_hash_run(bits, 0))
+    return int(_hash_at(bits, np.ascontiguousarray(positions, np.int64)))
 
 
 def _bits(values: torch.Tensor) -> np.ndarray:
@@ -144,6 +183,68 @@ def updated_checksum(checksum: int, indices: torch.Tensor, old_values: torch.Ten
     removed = _hash_sum(_bits(old_values), positions)
     added = _hash_sum(_bits(new_values), positions)
     return (checksum - removed + added) & _MASK64
+
+
+def apply_checksums(
+    changes: Sequence[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]],
+) -> tuple[list[torch.Tensor], list[int]]:
+    """The values a set of changes overwrites, and the checksums after them, in one
+    compiled call that runs without the GIL (nothing is written to the tensors).
+
+    [`updated_checksum`] of many tensors, with the gather of their old values: a replica
+    checks every delta this way while vLLM's thread generates, and each torch or numpy
+    call per tensor would hand the GIL back and forth between the two.
+
+    Args:
+        changes: Per tensor `(checksum, tensor, indices, new_values)`: its checksum now,
+            the bf16 tensor, the flat positions that change (int32 or int64) and the
+            bf16 values they take.
+
+    Returns:
+        The old values at `indices` (bf16, 1-D) and the new checksum, per tensor.
+
+    Raises:
+        IndexError: A position is outside its tensor (the error names which).
+
+    Example:
+        ```python
+        >>> old, (checksum,) = apply_checksums([(tensor_checksum(a), a, indices, values)])
+        >>> checksum == updated_checksum(tensor_checksum(a), indices, old[0], values)
+        True
+        ```
+    """
+    if not changes:
+        return [], []
+    held = []  # keeps every tensor alive through the call
+    for _, tensor, indices, values in changes:
+        tensor = tensor.detach()
+        if tensor.dtype != torch.bfloat16 or values.dtype != torch.bfloat16:
+            raise TypeError(f"expected bfloat16 tensors, got {tensor.dtype} and {values.dtype}")
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            tensor = tensor.cpu().contiguous()
+        indices, values = indices.detach().cpu().contiguous(), values.detach().cpu().contiguous()
+        if indices.numel() != values.numel():
+            raise ValueError(f"{indices.numel()} positions but {values.numel()} values")
+        if indices.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"positions must be int32 or int64, got {indices.dtype}")
+        held.append((tensor, indices, values, torch.empty_like(values)))
+    differences = [0] * len(held)
+    for wide in (False, True):
+        rows = [r for r, (_, indices, _, _) in enumerate(held) if (indices.dtype == torch.int64) == wide]
+        if not rows:
+            continue
+        table = np.array(
+            [[t.data_ptr(), i.data_ptr(), v.data_ptr(), o.data_ptr(), t.numel(), i.numel()] for t, i, v, o in held],
+            np.int64,
+        )[rows]
+        found, errors = _apply_changes(table, wide)
+        for r, difference, error in zip(rows, found.tolist(), errors.tolist()):
+            if error != -1:
+                tensor, indices = held[r][0], held[r][1]
+                raise IndexError(f"position {int(indices[error])} is outside a tensor of {tensor.numel()} elements")
+            differences[r] = difference
+    checksums = [(checksum + d) & _MASK64 for (checksum, *_), d in zip(changes, differences)]
+    return [old for *_, old in held], checksums
 
 
 def format_checksum(checksum: int) -> str:

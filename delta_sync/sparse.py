@@ -14,6 +14,8 @@ first use in a process (about a second; compiling them the very first time takes
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numba
 import numpy as np
 import torch
@@ -21,9 +23,10 @@ from numba import types
 from numba.cpython.unsafe.numbers import trailing_zeros
 from numba.extending import overload
 
+from .addresses import view
 from .bitmasks import LANES, differ, differ_rounded
 
-__all__ = ["changed_positions", "extract_changes_", "extract_changes_batched_", "gather", "scatter_"]
+__all__ = ["changed_positions", "extract_changes_", "extract_changes_batched_", "gather", "scatter_", "scatter_many_"]
 
 
 def changed_positions(current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
@@ -53,6 +56,71 @@ def scatter_(tensor: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) 
         _bits(tensor)[indices.numpy()] = _bits(values)
     else:
         tensor.view(-1)[indices.to(tensor.device, torch.long)] = values.to(tensor.device)
+
+
+def scatter_many_(changes: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    """[`scatter_`] of many tensors: `(tensor, indices, values)` each.
+
+    Contiguous 2-byte CPU tensors with int32 or int64 positions are written in one compiled
+    call that runs without the GIL (a replica writes every delta into its snapshot while
+    vLLM's thread generates, and a call per tensor would hand the GIL back and forth);
+    any other goes through [`scatter_`].
+
+    Raises:
+        IndexError: A position is outside its tensor; nothing is written to that tensor or
+            to those after it.
+    """
+    rows: list[list[int]] = []
+    wide: list[bool] = []
+    held = []  # keeps every tensor alive through the call
+    for tensor, indices, values in changes:
+        if indices.numel() != values.numel():
+            raise ValueError(f"{indices.numel()} positions but {values.numel()} values")
+        compiled = (
+            tensor.device.type == indices.device.type == values.device.type == "cpu"
+            and tensor.is_contiguous()
+            and tensor.element_size() == values.element_size() == 2
+            and indices.dtype in (torch.int32, torch.int64)
+        )
+        if not compiled:
+            scatter_(tensor, indices, values)
+            continue
+        indices, values = indices.contiguous(), values.contiguous()
+        held.append((indices, values))
+        rows.append([tensor.data_ptr(), tensor.numel(), indices.data_ptr(), indices.numel(), values.data_ptr()])
+        wide.append(indices.dtype == torch.int64)
+    if rows:
+        error = _scatter_rows(np.array(rows, np.int64), np.array(wide))
+        if error != -1:
+            raise IndexError(f"a position is outside the tensor of {rows[error][1]} elements it is written to")
+
+
+@numba.njit(nogil=True, cache=True)
+def _scatter_rows(table, wide):
+    """Per row of `table` (a tensor's address and size, its positions' address and count,
+    its values' address), the values written at the positions (int64 where `wide`, else
+    int32); the first row with a position out of range (-1: none), which is not written."""
+    for t in range(table.shape[0]):
+        bits = view(table[t, 0], table[t, 1], np.uint16)
+        values = view(table[t, 4], table[t, 3], np.uint16)
+        if wide[t]:
+            written = _scatter_bits(bits, view(table[t, 2], table[t, 3], np.int64), values)
+        else:
+            written = _scatter_bits(bits, view(table[t, 2], table[t, 3], np.int32), values)
+        if not written:
+            return t
+    return -1
+
+
+@numba.njit(nogil=True, cache=True)
+def _scatter_bits(bits, positions, values):
+    """`bits[positions] = values` if every position is in range (else False, nothing written)."""
+    for i in range(positions.size):
+        if positions[i] < 0 or positions[i] >= bits.size:
+            return False
+    for i in range(positions.size):
+        bits[positions[i]] = values[i]
+    return True
 
 
 def extract_changes_(

@@ -207,7 +207,7 @@ from delta_sync.replica.snapshot import NodeSnapshot
 from test_node_snapshot import worker
 
 writes = []
-real_mark, real_scatter, real_copy = NodeSnapshot._mark_writing, writer_module.scatter_, torch.Tensor.copy_
+real_mark, real_scatter, real_copy = NodeSnapshot._mark_writing, writer_module.scatter_many_, torch.Tensor.copy_
 
 def mark_then_arm(self, version, kind):
     real_mark(self, version, kind)
@@ -219,9 +219,10 @@ def die_on_second_write():
         if len(writes) == 3:  # killed for real with part of the version written
             os.kill(os.getpid(), signal.SIGKILL)
 
-def scatter(tensor, indices, values):
-    real_scatter(tensor, indices, values)
-    die_on_second_write()
+def scatter(changes):  # tensor by tensor, so that the kill lands between two of them
+    for change in changes:
+        real_scatter([change])
+        die_on_second_write()
 
 def copy(self, source, *args, **kwargs):
     result = real_copy(self, source, *args, **kwargs)
@@ -229,7 +230,7 @@ def copy(self, source, *args, **kwargs):
     return result
 
 NodeSnapshot._mark_writing = mark_then_arm
-writer_module.scatter_ = scatter
+writer_module.scatter_many_ = scatter
 torch.Tensor.copy_ = copy
 receiver, _ = worker({nodes!r})
 receiver.update({bucket!r}, {path!r})
@@ -294,6 +295,21 @@ def test_a_damaged_state_file_is_not_trusted(stepwise, tmp_path):
     (directory / "state.json").write_text('{"format": 1, "version": 1')  # cut short
     second, model = worker(nodes)
     assert second.update(stepwise.root).applied  # from the bucket again, not from the file
+    assert_bit_exact(stepwise.states[1], bf16_state(model))
+
+
+def test_a_snapshot_another_version_of_delta_sync_wrote_is_not_trusted(stepwise, tmp_path, caplog):
+    # Its undo records may be laid out otherwise: format 1 kept one pair of tensors per parameter.
+    nodes = tmp_path / "snapshots"
+    first, _ = worker(nodes)
+    first.update(stepwise.root)
+    (directory,) = [d for d in nodes.iterdir() if d.is_dir()]
+    state = json.loads((directory / "state.json").read_text())
+    (directory / "state.json").write_text(json.dumps({**state, "format": 1}))
+    second, model = worker(nodes)
+    with caplog.at_level("WARNING", logger="delta_sync"):
+        assert second.update(stepwise.root).applied  # from the bucket again, not from the file
+    assert "state format 1, this version of delta-sync keeps 2" in caplog.text
     assert_bit_exact(stepwise.states[1], bf16_state(model))
 
 

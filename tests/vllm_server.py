@@ -60,7 +60,28 @@ def vllm_python() -> Path:
         else:
             # Cheap when nothing changed; picks up new dependencies of this package.
             _run(pip + ["-e", f"{REPO}[trainer]"], timeout=1800)
+        _own_numba_cache(python)
     return python
+
+
+def _own_numba_cache(python: Path) -> None:
+    """Give the environment's processes a numba cache of their own.
+
+    vLLM pins numba, so this environment's numba is usually another version than the test
+    environment's; sharing the package's `__pycache__`, each would overwrite the other's
+    cache, and every server start would compile the replica's passes again (tens of
+    seconds, before it serves). A `.pth` line runs at every interpreter start-up.
+    """
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    line = f"import os; os.environ.setdefault('NUMBA_CACHE_DIR', {str(ENV_DIR / 'numba-cache')!r})\n"
+    path = Path(site) / "delta_sync_numba_cache.pth"
+    if not path.is_file() or path.read_text() != line:
+        path.write_text(line)
 
 
 @functools.cache

@@ -48,6 +48,7 @@ from vllm.logger import init_logger
 
 from delta_sync.control import ALLOWED_BUCKETS_ENV, PREFETCH_ENV, SNAPSHOT_DIR_ENV, UpdateInfo
 from delta_sync.errors import DeltaSyncError
+from delta_sync.replica.compiled import load_compiled_passes
 from delta_sync.replica.prefetch import Prefetcher
 from delta_sync.replica.receiver import Receiver
 from delta_sync.replica.shared import NodeStore
@@ -127,6 +128,8 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
             allowed_buckets=allowed,
             load_together=self._with_fused_shards,
         )
+        # Before the server serves: loading them later would stall generation (see the module).
+        logger.info("delta-sync: compiled passes ready in %.2f s", load_compiled_passes())
         self.prefetcher = make_prefetcher(self.receiver, allowed or [])
         self.loader = ModelLoader(model, self.model_config, shapes=self.receiver.expected_shapes)
         from .worker import end_sessions_whose_finish_fails  # the worker module imports this one

@@ -47,7 +47,7 @@ from ..errors import (
     UntrustedBucketError,
 )
 from ..format import Anchor, Delta, DeltaFile, FileHeader, read_file
-from ..integrity import model_checksum, updated_checksum
+from ..integrity import apply_checksums, model_checksum
 from ..layout import (
     LATEST,
     Latest,
@@ -60,9 +60,7 @@ from ..layout import (
     version_files,
 )
 from ..manifest import MAX_MANIFEST_BYTES, Manifest, PartRecord, read_version
-from ..parallel import parallel_map
 from ..signing import SIGNATURE_SUFFIX, VERIFY_KEY_ENV, FileSignature, VerifyKey, bucket_identity, file_sha256
-from ..sparse import gather
 from ..storage import Bucket, clean_path, open_bucket
 from ..storage.cache import DownloadCache
 from ..version import HeldVersion
@@ -1156,16 +1154,14 @@ class Receiver:
         """
         header = delta.header
         weights = self._store.weights
-
-        def verify(name: str) -> tuple[torch.Tensor, int]:
-            change = delta.changes[name]
-            old_values = gather(weights[name], change.indices)
-            return old_values, updated_checksum(held.checksums[name], change.indices, old_values, change.values)
-
         names = sorted(delta.changes)
-        verified = dict(zip(names, parallel_map(verify, names)))
-        old_values = {name: old for name, (old, _) in verified.items()}
-        new_checksums = {name: checksum for name, (_, checksum) in verified.items()}
+        changes = [delta.changes[name] for name in names]
+        # One compiled call for every tensor: per-tensor calls would each hand the GIL back
+        # and forth with vLLM's thread while it generates.
+        old, checksums = apply_checksums(
+            [(held.checksums[name], weights[name], c.indices, c.values) for name, c in zip(names, changes)]
+        )
+        old_values, new_checksums = dict(zip(names, old)), dict(zip(names, checksums))
         for name in names:
             if new_checksums[name] != header.checksums[name]:
                 # The file passed its payload digest, so the held weights are what differ.

@@ -30,7 +30,7 @@ import torch
 
 from ..errors import SnapshotMovedError
 from ..format import Anchor, FileHeader, SparseChange
-from ..sparse import scatter_
+from ..sparse import scatter_many_
 from ..version import HeldVersion
 from .snapshot import HistoryEntry, NodeSnapshot, SnapshotState, mapped_memory, snapshot_directory
 from .store import DeltaUndo, SnapshotMemory, deltas_between, union_positions
@@ -107,8 +107,7 @@ class NodeStore:
         node = self._node
         node.begin_delta(held.version, undo.previous)
         views = node.tensors
-        for name, change in changes.items():
-            scatter_(views[name], change.indices, change.values)
+        scatter_many_((views[name], change.indices, change.values) for name, change in changes.items())
         self._finish(held, "delta", changes)
 
     def write_anchor(self, header: FileHeader, anchor: Anchor, held: HeldVersion) -> None:

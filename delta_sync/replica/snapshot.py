@@ -26,7 +26,7 @@ Files in the snapshot's directory:
 | --- | --- |
 | `weights.bin` | every tensor's bf16 values, in name order, 64-byte aligned |
 | `state.json` | version, run, epoch, per-tensor checksums, history, `writing` mark |
-| `undo/<version>.safetensors` | per changed tensor `<name>:indices` and `<name>:values` before that version |
+| `undo/<version>.safetensors` | the flat `indices` and bf16 `values` every tensor that version changed held before it, concatenated in the order of the metadata's `names` (`[[name, count], ...]`) |
 | `lock` | the `flock` that orders writers and readers |
 """
 
@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from ..errors import IntegrityError, SnapshotMovedError
 from ..integrity import model_checksum, tensor_checksum
@@ -55,7 +56,7 @@ __all__ = ["HistoryEntry", "NodeSnapshot", "SnapshotState", "mapped_memory", "sn
 
 logger = logging.getLogger("delta_sync")
 
-_STATE_FORMAT = 1
+_STATE_FORMAT = 2  # 2: one undo record holds every tensor's changes in two tensors
 _ALIGN = 32  # elements: tensors start on 64-byte boundaries
 _DATA, _STATE, _LOCK, _UNDO = "weights.bin", "state.json", "lock", "undo"
 
@@ -146,7 +147,7 @@ class SnapshotState:
     def from_json(cls, text: str) -> SnapshotState:
         data = json.loads(text)
         if data.get("format") != _STATE_FORMAT:
-            raise ValueError("unknown snapshot state format")
+            raise ValueError(f"state format {data.get('format')!r}, this version of delta-sync keeps {_STATE_FORMAT}")
         held = None
         if data["version"] is not None:
             identity = VersionId(data["version"], data["anchor_version"], data["run_id"], data["epoch"] or "")
@@ -262,14 +263,22 @@ class NodeSnapshot:
             version: The version the delta produces.
             previous: Parameter name -> (flat indices, bf16 values there now).
         """
-        tensors = {}
-        for name, (indices, values) in previous.items():
-            tensors[f"{name}:indices"] = indices.to(torch.int64).contiguous()
-            tensors[f"{name}:values"] = values.contiguous()
+        names = list(previous)
+        if names:
+            # Two tensors whatever the model's size: a record per tensor cost the prefetch
+            # thread a Python round trip (and a wait for vLLM's thread to hand back the GIL)
+            # per changed tensor.
+            indices = torch.cat([previous[name][0] for name in names]).to(torch.int64)
+            values = torch.cat([previous[name][1] for name in names])
+        else:
+            indices, values = torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.bfloat16)
+        counts = [[name, previous[name][0].numel()] for name in names]
         target = self._undo_path(version)
         temporary = target.with_suffix(".tmp")
-        # Written here, not by safetensors' save_file, which creates 0600 files: 0666 less the umask.
-        temporary.write_bytes(save(tensors))
+        # save_file writes without the GIL, but creates 0600 files: the record takes the
+        # data file's permissions (0666 less the umask), so that every replica user reads it.
+        save_file({"indices": indices, "values": values}, str(temporary), metadata={"names": json.dumps(counts)})
+        os.chmod(temporary, os.stat(self.path).st_mode & 0o777)
         os.replace(temporary, target)
         self._mark_writing(version, "delta")
 
@@ -338,15 +347,15 @@ class NodeSnapshot:
             return {name: self._views[name] for name in names}
         newer = [e.version for e in state.history if e.version > version]
         try:
-            records = [load_file(str(self._undo_path(v))) for v in sorted(newer, reverse=True)]
+            records = [_read_undo(self._undo_path(v)) for v in sorted(newer, reverse=True)]
         except FileNotFoundError:  # a record another process removed: the version is out of reach
             raise self.moved_past(state, version) from None
         rebuilt = {}
         for name in names:
             tensor = self._views[name].clone()
             for record in records:
-                if f"{name}:indices" in record:
-                    scatter_(tensor, record[f"{name}:indices"], record[f"{name}:values"])
+                if name in record:
+                    scatter_(tensor, *record[name])
             if tensor_checksum(tensor) != checksums[name]:
                 raise IntegrityError(f"{self.directory}: {name!r} rebuilt at version {version} fails its checksum")
             rebuilt[name] = tensor
@@ -360,12 +369,12 @@ class NodeSnapshot:
             SnapshotMovedError: The record is gone (the version left the history).
         """
         try:
-            record = load_file(str(self._undo_path(version)))
+            record = _read_undo(self._undo_path(version))
         except FileNotFoundError:
             raise SnapshotMovedError(
                 f"{self.directory}: no undo record of version {version}", held=None, wanted=version
             ) from None
-        return {key.removesuffix(":indices"): value for key, value in record.items() if key.endswith(":indices")}
+        return {name: indices for name, (indices, _) in record.items()}
 
     def moved_past(self, state: SnapshotState, version: int) -> SnapshotMovedError:
         """The error for a version the snapshot can no longer rebuild."""
@@ -419,11 +428,8 @@ class NodeSnapshot:
         if kind == "delta" and record.is_file():
             # The record was stored before the first value was overwritten: restoring it
             # is right however far the write got.
-            undo = load_file(str(record))
-            for key, indices in undo.items():
-                if key.endswith(":indices"):
-                    name = key.removesuffix(":indices")
-                    scatter_(self._views[name], indices, undo[f"{name}:values"])
+            for name, (indices, values) in _read_undo(record).items():
+                scatter_(self._views[name], indices, values)
             record.unlink()
             state.writing = None
             logger.warning(
@@ -462,6 +468,21 @@ class NodeSnapshot:
 
     def _undo_path(self, version: int) -> Path:
         return self.directory / _UNDO / f"{version:08d}.safetensors"
+
+
+def _read_undo(path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """An undo record's `(flat indices, values)` per parameter (views of its two tensors).
+
+    Raises:
+        FileNotFoundError: No record at `path`.
+    """
+    if not path.is_file():
+        raise FileNotFoundError(path)
+    with safe_open(str(path), framework="pt") as record:
+        counts = json.loads(record.metadata()["names"])
+        indices, values = record.get_tensor("indices"), record.get_tensor("values")
+    sizes = [count for _, count in counts]
+    return {name: pair for (name, _), pair in zip(counts, zip(indices.split(sizes), values.split(sizes)))}
 
 
 def mapped_memory(path: str | os.PathLike) -> dict[str, int]:

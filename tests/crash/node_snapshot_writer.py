@@ -62,13 +62,14 @@ def instrument(count: Counter, directory: Path) -> None:
     snapshot.os = CountingOs()
     Path.unlink = counting_unlink
 
-    scatter, first = shared.scatter_, {"pending": False}
+    scatter, first = shared.scatter_many_, {"pending": False}
 
-    def counting_scatter(*args, **kwargs):
-        scatter(*args, **kwargs)
-        if first["pending"]:
-            first["pending"] = False
-            count()  # one tensor written, the others not yet
+    def counting_scatter(changes):
+        for change in changes:  # tensor by tensor, so that a crash can land between two
+            scatter([change])
+            if first["pending"]:
+                first["pending"] = False
+                count()  # one tensor written, the others not yet
 
     write_delta = NodeStore.write_delta
 
@@ -82,7 +83,7 @@ def instrument(count: Counter, directory: Path) -> None:
         begin_anchor(self, version)
         count()  # about to overwrite every tensor
 
-    shared.scatter_ = counting_scatter
+    shared.scatter_many_ = counting_scatter
     NodeStore.write_delta = counted_write_delta
     snapshot.NodeSnapshot.begin_anchor = counted_begin_anchor
 
