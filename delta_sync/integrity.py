@@ -228,16 +228,16 @@ def apply_checksums(
         if indices.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"positions must be int32 or int64, got {indices.dtype}")
         held.append((tensor, indices, values, torch.empty_like(values)))
+    table = np.array(
+        [[t.data_ptr(), i.data_ptr(), v.data_ptr(), o.data_ptr(), t.numel(), i.numel()] for t, i, v, o in held],
+        np.int64,
+    )
     differences = [0] * len(held)
     for wide in (False, True):
         rows = [r for r, (_, indices, _, _) in enumerate(held) if (indices.dtype == torch.int64) == wide]
         if not rows:
             continue
-        table = np.array(
-            [[t.data_ptr(), i.data_ptr(), v.data_ptr(), o.data_ptr(), t.numel(), i.numel()] for t, i, v, o in held],
-            np.int64,
-        )[rows]
-        found, errors = _apply_changes(table, wide)
+        found, errors = _apply_changes(table[rows], wide)
         for r, difference, error in zip(rows, found.tolist(), errors.tolist()):
             if error != -1:
                 tensor, indices = held[r][0], held[r][1]
