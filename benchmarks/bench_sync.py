@@ -17,6 +17,14 @@ References (same process, same tensors):
 On the replica, `verify_apply` (download excluded) runs while vLLM keeps generating;
 only `load` (copying the changed tensors into the model) pauses generation.
 
+Beside a training loop: with `background=True` the encode and upload of a version run
+on a worker thread while training goes on, and on a GPU trainer the training thread runs
+Python all the while (it launches the kernels). Each call of the worker's that drops the
+GIL then waits, to take it back, for that thread's switch interval (5 ms). A thread that
+runs Python without pause stands in for it: per encoding (raw and compact), the worker's
+seconds per version beside it against alone (`background_beside_python / alone`), and that
+thread's pace meanwhile against its pace alone (`python_thread_pace`, 1 = not slowed).
+
 Per node (`--workers`, default 2, the workers of a TP=2 server): separate processes, each
 a `Receiver` with a `NodeStore` catching up from the bucket, report what the kernel says they hold of
 the shared snapshot (`/proc/self/smaps`: resident, proportional and private bytes of the
@@ -41,6 +49,7 @@ import math
 import multiprocessing
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -124,6 +133,78 @@ def timed(fn) -> float:
     started = time.perf_counter()
     fn()
     return time.perf_counter() - started
+
+
+class PythonLoop:
+    """A thread that runs Python without pause (the training loop's stand-in), counting its
+    iterations."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.count += 1
+
+    def __enter__(self) -> PythonLoop:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def python_pace(seconds: float) -> float:
+    """Iterations per second of a [`PythonLoop`] with nothing else running."""
+    with PythonLoop() as loop:
+        start_count, started = loop.count, time.perf_counter()
+        time.sleep(seconds)
+        return (loop.count - start_count) / (time.perf_counter() - started)
+
+
+def background_publish(shapes: dict, fraction: float, steps: int, root: Path, encoding: str) -> dict:
+    """Seconds of the worker thread per version (from `publish()`'s return to `flush()`'s),
+    alone and beside a [`PythonLoop`], and that loop's pace meanwhile."""
+    model = FlatModel(shapes, seed=4)
+    optimizer = NoStep(model.params)
+    detector = BF16ChangeDetector(model, optimizer)
+    publisher = Publisher(root, detector, anchor_every=10**9, background=True, encoding=encoding)
+    generator = torch.Generator().manual_seed(5)
+    version = 0
+
+    def one(loop: PythonLoop | None) -> tuple[float, float]:
+        nonlocal version
+        perturb(model, fraction, generator)
+        detector.mark_changed()
+        optimizer.step()
+        version += 1
+        publisher.publish(version)
+        counted, started = loop.count if loop else 0, time.perf_counter()
+        publisher.flush()
+        seconds = time.perf_counter() - started
+        return seconds, ((loop.count - counted) / seconds if loop else 0.0)
+
+    try:
+        one(None)  # the anchor
+        one(None)  # a first delta: compiled passes loaded
+        alone = [one(None)[0] for _ in range(steps)]
+        with PythonLoop() as loop:
+            beside = [one(loop) for _ in range(steps)]
+        # Its pace alone, in windows as long as those beside the worker (it varies by tens of
+        # percent from one window to the next on a shared machine).
+        window = max(0.3, statistics.median(seconds for seconds, _ in beside))
+        pace = statistics.median(python_pace(window) for _ in range(3))
+    finally:
+        publisher.close()
+        detector.close()
+    return {
+        "alone_seconds": statistics.median(alone),
+        "beside_python_seconds": statistics.median(seconds for seconds, _ in beside),
+        "python_thread_pace": statistics.median(rate for _, rate in beside) / pace,
+    }
 
 
 def node_worker(bucket: str, snapshot_dir: str | None, shapes: dict, barrier, results) -> None:
@@ -249,6 +330,12 @@ def main(argv: list[str] | None = None) -> dict:
         rows["anchor_load"].append(timed(anchor_load))
         rows["anchor_signature"].append(timed(lambda: check_signature(work / "bucket", anchor_path(1), signing_key)))
 
+    # -- the worker thread beside a training loop that runs Python --------------------------------
+    background = {
+        encoding: background_publish(shapes, args.changed, min(3, args.steps), work / f"bucket-{encoding}", encoding)
+        for encoding in ("raw", "compact")
+    }
+
     # -- one node: memory per worker, and a late joiner's catch-up ------------------------------
     nodes = work / "snapshots"
     shared = measure_node(work / "bucket", shapes, args.workers, nodes)
@@ -291,6 +378,10 @@ def main(argv: list[str] | None = None) -> dict:
             "anchor_signature / anchor_load": median["anchor_signature"] / median["anchor_load"],
             "late_joiner_node / anchor_load": median["late_joiner_node"] / median["anchor_load"],
             "late_joiner_fresh / anchor_load": median["late_joiner_fresh"] / median["anchor_load"],
+        },
+        "background": {
+            encoding: {**figures, "beside_python / alone": figures["beside_python_seconds"] / figures["alone_seconds"]}
+            for encoding, figures in background.items()
         },
         "node_memory": node_memory,
         "delta_bytes_per_step": statistics.median(bytes_per_step),
@@ -338,6 +429,12 @@ def main(argv: list[str] | None = None) -> dict:
         f"memory: trainer snapshot {result['snapshot_bytes_trainer'] / (2 * numel):.2f}x bf16 model, "
         f"replica snapshot {result['snapshot_bytes_replica'] / (2 * numel):.2f}x"
     )
+    for encoding, figures in result["background"].items():
+        print(
+            f"{'trainer: worker thread per version, ' + encoding:<44} {figures['alone_seconds']:>10.4f}  alone; "
+            f"{figures['beside_python_seconds']:.4f} s ({figures['beside_python / alone']:.2f}x) beside a thread "
+            f"running Python, whose pace meanwhile is {figures['python_thread_pace']:.2f}x its own"
+        )
     full = 2 * numel
     print(
         f"node, {args.workers} workers: shared snapshot file {node_memory['shared_file_bytes'] / full:.2f}x bf16 model; "

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+import torch
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["address_of", "view"]
+__all__ = ["address_of", "on_host", "view"]
 
 
 def address_of(array: np.ndarray) -> int:
@@ -39,6 +40,19 @@ def address_of(array: np.ndarray) -> int:
     if not array.flags.c_contiguous:
         raise ValueError("only a C-contiguous array can be passed by address")
     return array.__array_interface__["data"][0]
+
+
+def on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` itself where it is a contiguous CPU tensor (readable at `data_ptr()`), else a
+    contiguous CPU copy.
+
+    Most torch calls release the GIL, and where another thread runs Python (a trainer's
+    training loop, a replica's vLLM), taking it back waits for that thread's switch interval
+    (5 ms) per call: a tensor that needs none is used as it is, with no call.
+    """
+    if tensor.device.type == "cpu" and tensor.is_contiguous():
+        return tensor
+    return tensor.detach().cpu().contiguous()
 
 
 @intrinsic

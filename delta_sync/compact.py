@@ -92,7 +92,7 @@ import torch
 from numba.cpython.unsafe.numbers import trailing_zeros
 
 from . import rans
-from .addresses import address_of, view
+from .addresses import address_of, on_host, view
 from .bitmasks import LANES, popcount
 from .bitmasks import at_least as at_least_mask
 from .changes import Encoding, SparseChange, index_dtype
@@ -259,18 +259,6 @@ def _shares(names: Iterable[str], size: Callable[[str], int]) -> list[list[str]]
 # -- one tensor ------------------------------------------------------------------------------
 
 
-def _held(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` itself where it is a contiguous CPU tensor, else a contiguous CPU copy.
-
-    The compiled calls read tensors by address (`data_ptr`), without a torch call such as
-    `view` or `numpy`: most torch calls release the GIL, and where another thread runs
-    Python, taking it back waits for that thread's switch interval (5 ms) per call.
-    """
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        tensor = tensor.detach().cpu().contiguous()
-    return tensor
-
-
 def _encode_batch(names: list[str], inputs: list[tuple[torch.Tensor, ...]]) -> dict[str, np.ndarray]:
     """The streams of the named tensors, from their [`_encoder_inputs`]: one compiled call
     for those with int32 positions, one for those with int64 ones."""
@@ -370,10 +358,10 @@ def _encoder_inputs(
     if old_values is not None and old_values.numel() != indices.numel():
         raise ValueError(f"{name}: {indices.numel()} indices but {old_values.numel()} old values")
     return (
-        _held(previous),
-        _held(indices),
-        _held(values),
-        None if old_values is None else _held(old_values),
+        on_host(previous),
+        on_host(indices),
+        on_host(values),
+        None if old_values is None else on_host(old_values),
     )
 
 
@@ -570,7 +558,7 @@ def _decode_batch(
     names: list[str], entries: Mapping[str, torch.Tensor], previous: Mapping[str, torch.Tensor], source: str
 ) -> dict[str, SparseChange]:
     """The changes of the named tensors: their headers read here, the rest in one compiled
-    call (with no torch call per tensor, see [`_held`])."""
+    call (with no torch call per tensor, see [`delta_sync.addresses.on_host`])."""
     count = len(names)
     table = np.zeros((count, 6), np.int64)
     boundaries = np.zeros((count, _MAX_GROUPS - 1), np.int64)
@@ -585,8 +573,8 @@ def _decode_batch(
         entry = entries[name + SUFFIX]
         if entry.dtype != torch.uint8 or entry.dim() != 1:
             raise FormatError(f"{where} must be a 1-D uint8 tensor, got {entry.dim()}-D {entry.dtype}")
-        stream = _held(entry).numpy()
-        held = _held(previous[name])
+        stream = on_host(entry).numpy()
+        held = on_host(previous[name])
         numel = held.numel()
         reader = _Reader(stream, where)
         header = _Header.read(reader, numel)

@@ -79,7 +79,8 @@ def raw_delta_tensors(changes: Mapping[str, SparseChange], shapes: Shapes) -> di
     tensors = {}
     for name, change in changes.items():
         dtype = index_dtype(math.prod(shapes[name]))
-        tensors[name + INDICES_SUFFIX] = change.indices.to(dtype).contiguous()
+        indices = change.indices if change.indices.dtype == dtype else change.indices.to(dtype)  # `to` drops the GIL
+        tensors[name + INDICES_SUFFIX] = indices.contiguous()
         tensors[name + VALUES_SUFFIX] = change.values.contiguous()
     return tensors
 

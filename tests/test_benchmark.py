@@ -55,6 +55,11 @@ def test_benchmark_runs_and_writes_its_table(tmp_path):
     assert node["private_bytes_per_worker"] == [report["full_bf16_bytes"]] * 2
     assert report["snapshot_bytes_trainer"] == report["snapshot_bytes_replica"] == report["full_bf16_bytes"]
     assert 5.9 < report["bytes_per_changed_element"] < 7.0
+    assert "worker thread per version, compact" in result.stdout
+    for encoding in ("raw", "compact"):
+        background = report["background"][encoding]
+        assert background["alone_seconds"] > 0 and background["beside_python_seconds"] > 0
+        assert background["python_thread_pace"] > 0
 
 
 def run_gpu_check(tmp_path, *args: str) -> dict:

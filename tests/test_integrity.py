@@ -10,9 +10,10 @@ import sys
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from delta_sync import BF16ChangeDetector, Publisher
-from delta_sync.integrity import apply_checksums, tensor_checksum, updated_checksum
+from delta_sync.integrity import apply_checksums, payload_digest, tensor_checksum, updated_checksum, updated_checksums
 from delta_sync.sparse import scatter_, scatter_many_
 
 from conftest import TwoTower, train_step
@@ -98,6 +99,54 @@ def test_apply_checksums_gathers_the_old_values_and_updates_each_checksum(index_
         assert got == checksum
     for tensor, untouched in zip(tensors, snapshot):  # nothing was written
         assert bits_of(tensor) == bits_of(untouched)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64, "mixed"])
+def test_updated_checksums_of_many_tensors_are_each_tensors_checksum_after_its_change(index_dtype):
+    generator = torch.Generator().manual_seed(20)
+    tensors = [special_values(n, seed=30 + n) for n in (1, 9, 70_001, 50)]
+    items, expected = [], []
+    for t, tensor in enumerate(tensors):
+        dtype = (torch.int32, torch.int64)[t % 2] if index_dtype == "mixed" else index_dtype
+        count = 0 if t == 3 else max(1, tensor.numel() // 10)  # the last changes nothing
+        indices = torch.randperm(tensor.numel(), generator=generator)[:count].sort().values.to(dtype)
+        values = special_values(count, seed=40 + t)
+        after = tensor.clone()
+        after.view(-1)[indices.long()] = values
+        items.append((tensor_checksum(tensor), indices, tensor.reshape(-1)[indices.long()], values))
+        expected.append(tensor_checksum(after))
+    assert updated_checksums(items) == expected
+    assert [updated_checksum(*item) for item in items] == expected
+
+
+def test_updated_checksums_refuses_mismatched_changes():
+    indices, values = torch.tensor([1, 2], dtype=torch.int32), special_values(2, seed=50)
+    with pytest.raises(ValueError, match="2 positions but 1 old and 2 new values"):
+        updated_checksums([(0, indices, values[:1], values)])
+    with pytest.raises(TypeError, match="bfloat16"):
+        updated_checksums([(0, indices, values.float(), values)])
+    with pytest.raises(TypeError, match="int32 or int64"):
+        updated_checksums([(0, indices.to(torch.int16), values, values)])
+
+
+def test_the_payload_digest_is_xxh3_over_names_and_raw_bytes_in_name_order():
+    # Read by address rather than through torch's views: the bytes hashed must be the same,
+    # for every dtype a file holds and for a tensor that is not contiguous.
+    tensors = {
+        "b.values": special_values(1000, seed=51),
+        "a.indices": torch.arange(0, 3000, 3, dtype=torch.int32),
+        "c.compact": torch.arange(256, dtype=torch.uint8),
+        "d.wide": torch.arange(5, dtype=torch.int64),
+        "e.columns": special_values(600, seed=52).view(20, 30)[:, 5:10],
+        "f.empty": torch.empty(0, dtype=torch.bfloat16),
+    }
+    expected = xxhash.xxh3_64()
+    for name in sorted(tensors):
+        expected.update(name.encode() + b"\0")
+        tensor = tensors[name].contiguous()
+        if tensor.numel():
+            expected.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    assert payload_digest(tensors.items()) == expected.hexdigest()
 
 
 def test_apply_checksums_refuses_a_position_outside_its_tensor():

@@ -31,7 +31,7 @@ import torch
 from ..changes import Encoding
 from ..errors import DeltaSyncError, PublishError, UnsupportedLayoutError
 from ..format import FileHeader, SparseChange, read_file, write_anchor, write_delta
-from ..integrity import add_checksums, model_checksum, tensor_checksum, updated_checksum
+from ..integrity import add_checksums, model_checksum, tensor_checksum, updated_checksums
 from ..layout import (
     LATEST,
     Latest,
@@ -394,10 +394,14 @@ class VersionWriter(PointerWriter):
         if self.parted and not change_set.changes:
             return []  # nothing changed on this rank: no part
         base_checksums = {name: self._checksums[name] for name in change_set.changes}
-        new_checksums = {
-            name: updated_checksum(base_checksums[name], change.indices, change_set.old_values[name], change.values)
-            for name, change in change_set.changes.items()
-        }
+        names = list(change_set.changes)
+        updated = updated_checksums(
+            [
+                (base_checksums[name], change.indices, change_set.old_values[name], change.values)
+                for name, change in change_set.changes.items()
+            ]
+        )
+        new_checksums = dict(zip(names, updated))
         self._checksums.update(new_checksums)
         path = self._own_path("delta", version)
         header = FileHeader(
