@@ -21,6 +21,8 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
+
 import numba
 import numpy as np
 import torch
@@ -28,7 +30,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["address_of", "on_host", "view"]
+__all__ = ["address_of", "as_bfloat16", "memory_of", "on_host", "view"]
 
 
 def address_of(array: np.ndarray) -> int:
@@ -53,6 +55,24 @@ def on_host(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.device.type == "cpu" and tensor.is_contiguous():
         return tensor
     return tensor.detach().cpu().contiguous()
+
+
+def memory_of(tensor: torch.Tensor, dtype: type[np.generic]) -> np.ndarray:
+    """The memory of a contiguous CPU tensor as a 1-D numpy array of `dtype`, with no torch
+    call (`tensor.view(...).numpy()` makes two, each of which drops the GIL). The caller
+    keeps `tensor` alive while the array is used."""
+    size = tensor.numel() * tensor.element_size() // np.dtype(dtype).itemsize
+    if size == 0:
+        return np.empty(0, dtype)
+    return np.frombuffer((ctypes.c_char * (size * np.dtype(dtype).itemsize)).from_address(tensor.data_ptr()), dtype)
+
+
+def as_bfloat16(bits: np.ndarray) -> torch.Tensor:
+    """A 1-D array of bf16 bit patterns (int16) as a bf16 tensor sharing its memory, with no
+    torch call that drops the GIL."""
+    if bits.size == 0:
+        return torch.empty(0, dtype=torch.bfloat16)
+    return torch.frombuffer(bits, dtype=torch.bfloat16)
 
 
 @intrinsic

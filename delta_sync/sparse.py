@@ -23,7 +23,7 @@ from numba import types
 from numba.cpython.unsafe.numbers import trailing_zeros
 from numba.extending import overload
 
-from .addresses import view
+from .addresses import as_bfloat16, memory_of, view
 from .bitmasks import LANES, differ, differ_rounded
 
 __all__ = ["changed_positions", "extract_changes_", "extract_changes_batched_", "gather", "scatter_", "scatter_many_"]
@@ -151,12 +151,14 @@ def extract_changes_(
     if not _fast_path(current, snapshot):
         return None
     numel = snapshot.numel()
-    snap = snapshot.view(-1).view(torch.int16).numpy()
+    # Read by address: on a trainer this runs beside the worker thread, and each torch call
+    # that drops the GIL would wait for it back.
+    snap = memory_of(snapshot, np.int16)
     position_dtype = np.int32 if index_dtype == torch.int32 else np.int64
     if current.dtype == torch.bfloat16:
-        cur, nan_bits = current.view(-1).view(torch.int16).numpy(), np.int16(0)
+        cur, nan_bits = memory_of(current, np.int16), np.int16(0)
     else:
-        cur, nan_bits = current.view(-1).view(torch.int32).numpy(), np.int16(_NAN_BF16)
+        cur, nan_bits = memory_of(current, np.int32), np.int16(_NAN_BF16)
 
     # Changes are usually a few percent: start there and grow (a full-size buffer would be
     # a second copy of the model).
@@ -174,11 +176,7 @@ def extract_changes_(
         positions, new, old = chunks[0]
     else:
         positions, new, old = (np.concatenate(parts) for parts in zip(*chunks))
-    return (
-        torch.from_numpy(positions),
-        torch.from_numpy(new).view(torch.bfloat16),
-        torch.from_numpy(old).view(torch.bfloat16),
-    )
+    return torch.from_numpy(positions), as_bfloat16(new), as_bfloat16(old)
 
 
 def _torch_nan_bits() -> int | None:

@@ -3,8 +3,9 @@
 import numba
 import numpy as np
 import pytest
+import torch
 
-from delta_sync.addresses import address_of, view
+from delta_sync.addresses import address_of, as_bfloat16, memory_of, view
 
 
 @numba.njit
@@ -30,3 +31,25 @@ def test_a_compiled_call_reads_and_writes_every_array_by_address():
 def test_a_strided_array_is_refused():
     with pytest.raises(ValueError, match="C-contiguous"):
         address_of(np.arange(10, dtype=np.int16)[::2])
+
+
+@pytest.mark.parametrize("numel", [0, 1, 1000])
+def test_a_tensors_memory_read_by_address_is_the_tensor_itself(numel):
+    tensor = torch.randn(numel).to(torch.bfloat16)
+    bits = memory_of(tensor, np.int16)
+    assert bits.tolist() == tensor.view(torch.int16).tolist()
+    if numel:
+        bits[0] = 0x3F80  # written through: the tensor holds 1.0 there now
+        assert tensor[0].item() == 1.0
+    floats = torch.arange(numel, dtype=torch.float32)  # kept alive by the caller, as documented
+    assert memory_of(floats, np.int32).tolist() == floats.view(torch.int32).tolist()
+
+
+@pytest.mark.parametrize("numel", [0, 3])
+def test_bf16_bit_patterns_become_a_bf16_tensor_over_the_same_memory(numel):
+    bits = np.arange(numel, dtype=np.int16) + 0x3F80
+    tensor = as_bfloat16(bits)
+    assert tensor.dtype == torch.bfloat16 and tensor.view(torch.int16).tolist() == bits.tolist()
+    if numel:
+        bits[1] = 0x4000  # 2.0
+        assert tensor[1].item() == 2.0

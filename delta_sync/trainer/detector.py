@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..addresses import on_host
 from ..errors import UnservableModelError
 from ..format import SparseChange, index_dtype
 from ..parallel import parallel_map
@@ -389,14 +390,14 @@ class BF16ChangeDetector:
         snapshot at the changes only: `((positions, new, old), None)`; or `(None, current)`
         when the pass does not apply to it, with the weights it read (computed once: a PEFT
         model's merged weight costs a matrix product)."""
-        current = local_tensor(self._value(name)).detach()
+        current = local_tensor(self._value(name))  # read by address: no `detach()` call, which drops the GIL
         snapshot = self._snapshot[name]
         if current.device.type != "cpu" and snapshot.device.type == "cpu":
             # A host snapshot of device weights (`snapshot_device="cpu"`): rounded where they
             # live and copied once (2 bytes an element), then compared by the compiled pass.
-            current = current.to(torch.bfloat16).to("cpu", memory_format=torch.contiguous_format)
+            current = current.detach().to(torch.bfloat16).to("cpu", memory_format=torch.contiguous_format)
         found = extract_changes_(current, snapshot, self._index_dtype(name))
-        return (found, None) if found is not None else (None, current)
+        return (found, None) if found is not None else (None, current.detach())
 
     def _change(
         self, name: str, found: _Found | None
@@ -410,10 +411,11 @@ class BF16ChangeDetector:
             old = self.mirror.tensors[name].view(-1)[local.long()]
         shard = self._shards[name]
         dtype = index_dtype(math.prod(shard.global_shape))
+        # No torch call where the tensor is already what is needed (most drop the GIL).
+        local, values, old = on_host(local), on_host(values), on_host(old)
         if shard.whole:
-            return SparseChange(indices=local.cpu().to(dtype), values=values.cpu()), old.cpu(), None
-        indices = shard.global_indices(local.cpu()).to(dtype)
-        return SparseChange(indices=indices, values=values.cpu()), old.cpu(), local.cpu()
+            return SparseChange(indices=local if local.dtype == dtype else local.to(dtype), values=values), old, None
+        return SparseChange(indices=shard.global_indices(local).to(dtype), values=values), old, local
 
     def close(self) -> None:
         """Remove the optimizer hooks and drop the snapshot."""
