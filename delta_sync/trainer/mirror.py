@@ -30,6 +30,7 @@ from collections.abc import Mapping
 import torch
 
 from ..changes import SparseChange
+from ..sparse import scatter_many_
 
 __all__ = ["HostMirror"]
 
@@ -61,6 +62,9 @@ class HostMirror:
                 for the parameters held as blocks; a whole parameter's positions are
                 those of `changes`.
         """
-        for name, change in changes.items():
-            positions = local_indices.get(name, change.indices)
-            self.tensors[name].view(-1)[positions.long()] = change.values
+        # One compiled call for all of them: this runs on the training thread, and a torch
+        # call per tensor would let go of the interpreter lock and wait for it back.
+        scatter_many_(
+            (self.tensors[name], local_indices.get(name, change.indices), change.values)
+            for name, change in changes.items()
+        )
