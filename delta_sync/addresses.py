@@ -60,11 +60,18 @@ def on_host(tensor: torch.Tensor) -> torch.Tensor:
 def memory_of(tensor: torch.Tensor, dtype: type[np.generic]) -> np.ndarray:
     """The memory of a contiguous CPU tensor as a 1-D numpy array of `dtype`, with no torch
     call (`tensor.view(...).numpy()` makes two, each of which drops the GIL). The caller
-    keeps `tensor` alive while the array is used."""
-    size = tensor.numel() * tensor.element_size() // np.dtype(dtype).itemsize
-    if size == 0:
+    keeps `tensor` alive while the array is used.
+
+    Raises:
+        ValueError: The tensor is not a contiguous CPU tensor (its elements are not the
+            bytes from `data_ptr()` on).
+    """
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError(f"only a contiguous CPU tensor can be read by address, got one on {tensor.device}")
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
         return np.empty(0, dtype)
-    return np.frombuffer((ctypes.c_char * (size * np.dtype(dtype).itemsize)).from_address(tensor.data_ptr()), dtype)
+    return np.frombuffer((ctypes.c_char * nbytes).from_address(tensor.data_ptr()), dtype)
 
 
 def as_bfloat16(bits: np.ndarray) -> torch.Tensor:

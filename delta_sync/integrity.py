@@ -138,27 +138,21 @@ def _hash_differences(table, wide):
     return differences
 
 
-def _hash_sum(
-    bits: np.ndarray,
-    positions: np.ndarray | None = None,
-    position_of: Callable[[int, int], np.ndarray] | None = None,
-) -> int:
+def _hash_sum(bits: np.ndarray, position_of: Callable[[int, int], np.ndarray] | None = None) -> int:
     """Sum mod 2^64 of the element hashes of `(position, bits)` pairs.
 
-    `positions` defaults to `0, 1, 2, ...` (a whole tensor); `position_of(start, stop)`
-    computes them chunk by chunk instead (a shard's positions in the full tensor). Each
-    compiled call runs without the GIL.
+    Positions are `0, 1, 2, ...` (a whole tensor), or `position_of(start, stop)` computes
+    them chunk by chunk (a shard's positions in the full tensor). Each compiled call runs
+    without the GIL.
     """
     bits = np.ascontiguousarray(bits.view(np.uint16))
-    if position_of is not None:
-        total = 0
-        for start in range(0, bits.size, _CHUNK):
-            chunk = np.ascontiguousarray(position_of(start, min(start + _CHUNK, bits.size)), np.int64)
-            total += int(_hash_at(bits[start : start + chunk.size], chunk))
-        return total & _MASK64
-    if positions is None:
+    if position_of is None:
         return int(_hash_run(bits, 0))
-    return int(_hash_at(bits, np.ascontiguousarray(positions, np.int64)))
+    total = 0
+    for start in range(0, bits.size, _CHUNK):
+        chunk = np.ascontiguousarray(position_of(start, min(start + _CHUNK, bits.size)), np.int64)
+        total += int(_hash_at(bits[start : start + chunk.size], chunk))
+    return total & _MASK64
 
 
 def _bits(values: torch.Tensor) -> np.ndarray:

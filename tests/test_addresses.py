@@ -53,3 +53,9 @@ def test_bf16_bit_patterns_become_a_bf16_tensor_over_the_same_memory(numel):
     if numel:
         bits[1] = 0x4000  # 2.0
         assert tensor[1].item() == 2.0
+
+
+def test_a_tensor_that_is_not_its_own_bytes_is_not_read_by_address():
+    columns = torch.zeros(4, 6, dtype=torch.bfloat16)[:, 1:3]
+    with pytest.raises(ValueError, match="only a contiguous CPU tensor"):
+        memory_of(columns, np.int16)

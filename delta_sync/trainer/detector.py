@@ -310,11 +310,7 @@ class BF16ChangeDetector:
         names = self._snapshot if names is None else names
         if self.mirror is not None:
             return {name: self.mirror.tensors[name] for name in names}
-        # No `cpu()` call where the tensor is on the host: it would drop the GIL and wait for
-        # it back, per tensor, while the training loop runs Python.
-        return {
-            name: tensor if (tensor := self._snapshot[name]).device.type == "cpu" else tensor.cpu() for name in names
-        }
+        return {name: on_host(self._snapshot[name]) for name in names}
 
     @property
     def total_elements(self) -> int:
