@@ -1370,30 +1370,19 @@ def _decode_group(ctx, words, count, k, quantized, ranks, zigzag):
     value_starts = rans.lookup(values)
     tops = np.empty(coded, np.int64)
     classes = np.zeros(k, np.int64)
-    for j in range(coded):
-        symbol = rans.decode_symbol(ctx, words, gaps, gap_starts)
-        if symbol < 0:
-            return -symbol
-        tops[j] = symbol
-        if with_classes and not complement:
-            symbol = rans.decode_symbol(ctx, words, values, value_starts)
-            if symbol < 0:
-                return -symbol
-            classes[j] = symbol
-    if with_classes and complement:
-        for j in range(k):
-            symbol = rans.decode_symbol(ctx, words, values, value_starts)
-            if symbol < 0:
-                return -symbol
-            classes[j] = symbol
+    if with_classes and not complement:
+        error = rans.decode_pairs(ctx, words, gaps, gap_starts, values, value_starts, tops, classes)
+    else:
+        error = rans.decode_symbols(ctx, words, gaps, gap_starts, tops)
+        if error == rans.OK and with_classes:
+            error = rans.decode_symbols(ctx, words, values, value_starts, classes)
+    if error != rans.OK:
+        return error
     lows = np.zeros(coded, np.int64)
     for offset in range(0, shift, _CHUNK_BITS):
-        bits = min(shift - offset, _CHUNK_BITS)
-        for j in range(coded):
-            value = rans.decode_bits(ctx, words, bits)
-            if value < 0:
-                return -value
-            lows[j] |= value << offset
+        error = rans.decode_bit_run(ctx, words, min(shift - offset, _CHUNK_BITS), coded, lows, offset)
+        if error != rans.OK:
+            return error
     escaped = 0
     for j in range(coded):
         escaped += tops[j] == _TOPS

@@ -21,6 +21,13 @@ directly; the decoding ones return an error code (`OK` on success, see [`error_m
 rather than raise, so compiled callers can stop and report. [`encode`] and [`Decoder`]
 are the Python entry points.
 
+The costs of a symbol are kept off its lane's chain of dependent operations, so that the
+lanes overlap: the encoder divides by a float multiplication with an exact integer
+correction (a 64-bit division takes tens of cycles and does not overlap with the next);
+both sides renormalize without a branch on the data (whether a state moves a word is a
+coin toss per symbol); and the run decoders ([`decode_symbols`], [`decode_pairs`],
+[`decode_bit_run`]) keep the lanes' states in registers for a whole run of symbols.
+
 Frequencies are built with exact integer arithmetic only ([`quantize`]): the trainer and
 every replica build the same tables on any machine.
 
@@ -64,7 +71,7 @@ PRECISION = 16
 #: Interleaved coder states, at most (and by default).
 LANES = 4
 #: Bits of the slot that [`lookup`] indexes.
-LOOKUP_BITS = 8
+LOOKUP_BITS = 10
 #: Widest raw-bits symbol.
 MAX_RAW_BITS = 24
 # States live in [_LOW, _LOW << 32).
@@ -175,6 +182,42 @@ def table_symbols(table: np.ndarray, symbols: np.ndarray) -> tuple[np.ndarray, n
 # -- encoder ---------------------------------------------------------------------------------
 
 
+@numba.njit(inline="always")
+def _rotate(a, b, c, d, lanes):
+    """The lanes' states after one symbol: the next lane's first, for `lanes` from 1 to 4."""
+    if lanes == 4:
+        return b, c, d, a
+    if lanes == 3:
+        return b, c, a, d
+    if lanes == 2:
+        return b, a, c, d
+    return a, b, c, d
+
+
+@numba.njit(inline="always")
+def _divide(state, freq, scale):
+    """`(state // freq, state % freq)` for a state the encoder has renormalized (below
+    `freq << (63 - scale)`, so the quotient is below `2^(63 - scale)`).
+
+    A 64-bit integer division takes tens of cycles and does not overlap with the next; where
+    the quotient is below 2^51 (`scale` at least 12, as every table symbol's is), one float
+    multiplication gets within one of it (relative error below 2^-51), and one integer
+    correction makes it exact.
+    """
+    if scale < 12:
+        quotient = state // freq
+        return quotient, state - quotient * freq
+    quotient = np.int64(np.float64(state) * (1.0 / np.float64(freq)))
+    remainder = state - quotient * freq
+    if remainder < 0:
+        quotient -= 1
+        remainder += freq
+    elif remainder >= freq:
+        quotient += 1
+        remainder -= freq
+    return quotient, remainder
+
+
 @numba.njit(nogil=True, cache=True)
 def encode(starts: np.ndarray, freqs: np.ndarray, scales: np.ndarray, lanes: int = LANES) -> np.ndarray:
     """The words that code symbol `i` as the range `[starts[i], starts[i] + freqs[i])` out of
@@ -195,26 +238,27 @@ def encode(starts: np.ndarray, freqs: np.ndarray, scales: np.ndarray, lanes: int
     # Each symbol emits at most one word (a state below 2^63 shifted once is below 2^31).
     out = np.empty(count + 2 * lanes, np.uint32)
     at = out.size
-    states = np.full(lanes, _LOW, np.int64)
-    # Symbol i's lane is i % lanes, counted down rather than divided for (a division per symbol
-    # costs more than the coding).
-    lane = (count - 1) % lanes if count else 0
+    # The lanes' states in registers, `a` that of the next symbol's lane (symbol i's is
+    # i % lanes; they go last to first, so the lanes after it are those below). All start
+    # at _LOW, so which is which needs no setting up.
+    a = b = c = d = _LOW
     for i in range(count - 1, -1, -1):
-        state = states[lane]
-        freq = freqs[i]
+        freq = np.int64(freqs[i])
         scale = np.int64(scales[i])
         # state >= ((2^31 >> scale) << 32) * freq, which would overflow where freq == 2^scale.
-        if (state >> np.int64(32)) >= (_LOW >> scale) * freq:
-            at -= 1
-            out[at] = np.uint32(state & _WORD_MASK)
-            state >>= np.int64(32)
+        # The word is written whether or not it is emitted: an unemitted one is overwritten.
+        emit = (a >> np.int64(32)) >= (_LOW >> scale) * freq
+        out[at - 1] = np.uint32(a & _WORD_MASK)
+        at -= np.int64(emit)
+        state = (a >> np.int64(32)) if emit else a
         if freq == 1:  # raw bits: no division
-            states[lane] = (state << scale) + starts[i]
+            a = (state << scale) + starts[i]
         else:
-            quotient = state // freq
-            states[lane] = (quotient << scale) + (state - quotient * freq) + starts[i]
-        lane = lane - 1 if lane else lanes - 1
-    for lane in range(lanes - 1, -1, -1):
+            quotient, remainder = _divide(state, freq, scale)
+            a = (quotient << scale) + remainder + starts[i]
+        a, b, c, d = _rotate(a, b, c, d, lanes)
+    states = (a, b, c, d)  # now those of lanes `lanes - 1`, `lanes - 2`, ...
+    for lane in range(lanes):
         at -= 2
         out[at] = np.uint32(states[lane] & _WORD_MASK)
         out[at + 1] = np.uint32(states[lane] >> np.int64(32))
@@ -251,32 +295,15 @@ def decoder_start(words: np.ndarray, lanes: int = LANES) -> tuple[np.ndarray, in
     return ctx, OK
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
-def _advance(ctx, words, lane, state, freq, offset, scale):
-    """Leave the state of one decoded symbol in `ctx` (reading a word if it needs one): OK or ENDS_EARLY."""
-    # state >> scale < 2^(63 - scale) and offset < freq <= 2^scale: no overflow, and the
-    # result is at least 1, so one word brings it back to [2^31, 2^63).
-    state = freq * (state >> scale) + offset
-    if state < _LOW:
-        at = ctx[_WORD]
-        if at >= words.size:
-            return ENDS_EARLY
-        state = (state << np.int64(32)) | np.int64(words[at])
-        ctx[_WORD] = at + 1
-    ctx[_STATES + lane] = state
-    ctx[_LANE] = lane + 1 if lane + 1 < ctx[_LANES] else 0
-    return OK
-
-
 @numba.njit(nogil=True, cache=True)
 def lookup(table: np.ndarray) -> np.ndarray:
-    """Where [`decode_symbol`] starts its search: for each `2^LOOKUP_BITS`-th of the range,
-    the symbol its first slot falls in.
+    """Where the decoder starts its search for a slot's symbol: for each `2^LOOKUP_BITS`-th
+    of the range, the symbol its first slot falls in.
 
     Args:
         table: A [`cumulative`] table.
     """
-    starts = np.zeros(1 << LOOKUP_BITS, np.int64)
+    starts = np.zeros(1 << LOOKUP_BITS, np.int32)
     symbol = 0
     for j in range(starts.size):
         slot = np.int64(j) << np.int64(PRECISION - LOOKUP_BITS)
@@ -286,21 +313,144 @@ def lookup(table: np.ndarray) -> np.ndarray:
     return starts
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
-def decode_symbol(ctx: np.ndarray, words: np.ndarray, table: np.ndarray, starts: np.ndarray) -> int:
-    """The next symbol, coded with the [`cumulative`] `table` (trusted: built by this module)
-    whose [`lookup`] is `starts`, or minus an error code."""
-    lane = ctx[_LANE]
-    state = ctx[_STATES + lane]
+@numba.njit(inline="always")
+def _renormalize(state, at, words):
+    """`(state, at, overrun)`: the state with the next word read in if it fell below `2^31`.
+
+    Without a branch on the data (whether a state needs a word is a coin toss per symbol,
+    which a CPU mispredicts half the time): the word is read in any case, at an index kept
+    inside the stream, and `overrun` is set where the stream had no word left to give."""
+    need = state < _LOW
+    word = np.int64(words[min(at, words.size - 1)])
+    overrun = need and at >= words.size
+    state = ((state << np.int64(32)) | word) if need else state
+    return state, at + np.int64(need), overrun
+
+
+@numba.njit(inline="always")
+def _table_step(state, at, words, table, starts):
+    """`(symbol, state, at, overrun)`: one symbol coded with the [`cumulative`] `table` (trusted)."""
     slot = state & ((np.int64(1) << np.int64(PRECISION)) - 1)
     # The symbol s with table[s] <= slot < table[s + 1]: zero frequencies are never found.
-    symbol = starts[slot >> np.int64(PRECISION - LOOKUP_BITS)]
+    symbol = np.int64(starts[slot >> np.int64(PRECISION - LOOKUP_BITS)])
     while table[symbol + 1] <= slot:
         symbol += 1
-    error = _advance(
-        ctx, words, lane, state, table[symbol + 1] - table[symbol], slot - table[symbol], np.int64(PRECISION)
+    low = table[symbol]
+    # state >> PRECISION < 2^(63 - PRECISION) and slot - low < freq <= 2^PRECISION: no
+    # overflow, and the result is at least 1, so one word brings it back to [2^31, 2^63).
+    state = (table[symbol + 1] - low) * (state >> np.int64(PRECISION)) + slot - low
+    state, at, overrun = _renormalize(state, at, words)
+    return symbol, state, at, overrun
+
+
+@numba.njit(inline="always")
+def _bits_step(state, at, words, width):
+    """`(value, state, at, overrun)`: one raw value of `width` bits (0 to `MAX_RAW_BITS`)."""
+    value = state & ((np.int64(1) << width) - np.int64(1))
+    state, at, overrun = _renormalize(state >> width, at, words)
+    return value, state, at, overrun
+
+
+# The run decoders below keep the lanes' states in local variables (registers) for a whole
+# run of symbols rather than in `ctx` per symbol, where each symbol's state would wait on
+# the store of the one before. A run is `(a, b, c, d, at, overrun)`: `a` the state of the
+# next symbol's lane, `b`, `c`, `d` those of the lanes after it (rotated after every
+# symbol), the next word, and whether the stream ran out of words.
+
+
+@numba.njit(inline="always")
+def _start_run(ctx):
+    lanes = ctx[_LANES]
+    lane = ctx[_LANE]
+    return (
+        ctx[_STATES + lane],
+        ctx[_STATES + (lane + 1) % lanes],
+        ctx[_STATES + (lane + 2) % lanes],
+        ctx[_STATES + (lane + 3) % lanes],
+        ctx[_WORD],
+        False,
     )
-    return symbol if error == OK else -error
+
+
+@numba.njit(inline="always")
+def _run_symbol(run, words, table, starts, lanes):
+    """`(symbol, run)`: the run's next symbol, coded with the [`cumulative`] `table`."""
+    a, b, c, d, at, overrun = run
+    symbol, a, at, bad = _table_step(a, at, words, table, starts)
+    a, b, c, d = _rotate(a, b, c, d, lanes)
+    return symbol, (a, b, c, d, at, overrun or bad)
+
+
+@numba.njit(inline="always")
+def _run_bits(run, words, width, lanes):
+    """`(value, run)`: the run's next raw value of `width` bits."""
+    a, b, c, d, at, overrun = run
+    value, a, at, bad = _bits_step(a, at, words, width)
+    a, b, c, d = _rotate(a, b, c, d, lanes)
+    return value, (a, b, c, d, at, overrun or bad)
+
+
+@numba.njit(inline="always")
+def _end_run(ctx, run, decoded):
+    """Write the run's states back into `ctx` after `decoded` symbols: an error code."""
+    a, b, c, d, at, overrun = run
+    if overrun:
+        return ENDS_EARLY
+    lanes = ctx[_LANES]
+    lane = (ctx[_LANE] + decoded) % lanes  # the lane of `a` now
+    states = (a, b, c, d)
+    for i in range(lanes):
+        ctx[_STATES + (lane + i) % lanes] = states[i]
+    ctx[_LANE] = lane
+    ctx[_WORD] = at
+    return OK
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def decode_symbols(ctx: np.ndarray, words: np.ndarray, table: np.ndarray, starts: np.ndarray, out: np.ndarray) -> int:
+    """Decode `out.size` symbols coded with the [`cumulative`] `table` (trusted: built by this
+    module), whose [`lookup`] is `starts`, into `out`: an error code."""
+    lanes = ctx[_LANES]
+    run = _start_run(ctx)
+    for i in range(out.size):
+        out[i], run = _run_symbol(run, words, table, starts, lanes)
+    return _end_run(ctx, run, out.size)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def decode_pairs(
+    ctx: np.ndarray,
+    words: np.ndarray,
+    first: np.ndarray,
+    first_starts: np.ndarray,
+    second: np.ndarray,
+    second_starts: np.ndarray,
+    first_out: np.ndarray,
+    second_out: np.ndarray,
+) -> int:
+    """Decode `first_out.size` pairs of symbols, coded alternately with the [`cumulative`]
+    tables `first` and `second` (trusted, with their [`lookup`]s), into `first_out` and
+    `second_out`: an error code."""
+    lanes = ctx[_LANES]
+    run = _start_run(ctx)
+    for i in range(first_out.size):
+        first_out[i], run = _run_symbol(run, words, first, first_starts, lanes)
+        second_out[i], run = _run_symbol(run, words, second, second_starts, lanes)
+    return _end_run(ctx, run, 2 * first_out.size)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def decode_bit_run(ctx: np.ndarray, words: np.ndarray, width: int, count: int, out: np.ndarray, shift: int) -> int:
+    """Decode `count` raw values of `width` bits (0 to `MAX_RAW_BITS`), OR-ing value `i`
+    shifted left by `shift` into `out[i]`: an error code."""
+    if width < 0 or width > MAX_RAW_BITS:
+        return BAD_TABLE
+    lanes = ctx[_LANES]
+    run = _start_run(ctx)
+    for i in range(count):
+        value, run = _run_bits(run, words, np.int64(width), lanes)
+        out[i] |= value << shift
+    return _end_run(ctx, run, count)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -309,10 +459,13 @@ def decode_bits(ctx: np.ndarray, words: np.ndarray, width: int) -> int:
     if width < 0 or width > MAX_RAW_BITS:
         return -BAD_TABLE
     lane = ctx[_LANE]
-    state = ctx[_STATES + lane]
-    value = state & ((np.int64(1) << np.int64(width)) - 1)
-    error = _advance(ctx, words, lane, state, np.int64(1), np.int64(0), np.int64(width))
-    return value if error == OK else -error
+    value, state, at, overrun = _bits_step(ctx[_STATES + lane], ctx[_WORD], words, np.int64(width))
+    if overrun:
+        return -ENDS_EARLY
+    ctx[_STATES + lane] = state
+    ctx[_WORD] = at
+    ctx[_LANE] = lane + 1 if lane + 1 < ctx[_LANES] else 0
+    return value
 
 
 @numba.njit(nogil=True, cache=True)
@@ -331,13 +484,7 @@ def decode_table(ctx: np.ndarray, words: np.ndarray, table: np.ndarray, out: np.
     """Decode `out.size` symbols coded with the [`cumulative`] `table` into `out`: an error code."""
     if not valid_table(table):
         return BAD_TABLE
-    starts = lookup(table)
-    for i in range(out.size):
-        symbol = decode_symbol(ctx, words, table, starts)
-        if symbol < 0:
-            return -symbol
-        out[i] = symbol
-    return OK
+    return decode_symbols(ctx, words, table, lookup(table), out)
 
 
 @numba.njit(nogil=True, cache=True)

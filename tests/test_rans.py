@@ -4,6 +4,7 @@ on real training streams and random inputs; damaged coder streams raise `FormatE
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 import rans_reference as reference
@@ -143,6 +144,96 @@ def test_tables_at_their_limits_round_trip():
     decoder.finish()
     # Symbols that cost nothing still need the coder's states: 8 words.
     assert compiled_encode(symbols[:50]).size == 2 * rans.LANES
+
+
+def run_plan(rng: np.random.Generator, pairs: int, raw: int, width: int, singles: int):
+    """Symbols in the runs the compact decoder reads them in: `pairs` alternating symbols of
+    two tables, `raw` values of `width` bits, `singles` symbols of the first table."""
+    first = reference.cumulative(reference.quantize([int(w) for w in rng.integers(0, 10**6, 65)], [True] * 65))
+    second = reference.cumulative(reference.quantize([10**6, 10**4, 10**2, 1], [True] * 4))
+
+    def draw(table: list[int], count: int) -> np.ndarray:
+        freqs = np.diff(table)
+        return rng.choice(len(freqs), count, p=freqs / freqs.sum())
+
+    tops, classes, lows, rest = (
+        draw(first, pairs),
+        draw(second, pairs),
+        rng.integers(0, 1 << width, raw),
+        draw(first, singles),
+    )
+    symbols = []
+    for top, c in zip(tops, classes):
+        symbols += [
+            (first[top], first[top + 1] - first[top], rans.PRECISION),
+            (second[c], second[c + 1] - second[c], rans.PRECISION),
+        ]
+    symbols += [(int(v), 1, width) for v in lows]
+    symbols += [(first[s], first[s + 1] - first[s], rans.PRECISION) for s in rest]
+    tables = tuple(np.array(t, np.int64) for t in (first, second))
+    return symbols, tables, (tops, classes, lows, rest)
+
+
+def decode_runs(
+    words: np.ndarray, lanes: int, tables, sizes: tuple[int, int, int, int], width: int
+) -> tuple[int, list]:
+    """Decode what `run_plan` codes through the run decoders: `(error, decoded)`."""
+    first, second = tables
+    ctx, error = rans.decoder_start(words, lanes)
+    tops, classes = np.empty(sizes[0], np.int64), np.empty(sizes[1], np.int64)
+    lows, rest = np.zeros(sizes[2], np.int64), np.empty(sizes[3], np.int64)
+    for step in (
+        lambda: rans.decode_pairs(ctx, words, first, rans.lookup(first), second, rans.lookup(second), tops, classes),
+        lambda: rans.decode_bit_run(ctx, words, width, lows.size, lows, 0),
+        lambda: rans.decode_symbols(ctx, words, first, rans.lookup(first), rest),
+        lambda: rans.decoder_finish(ctx, words),
+    ):
+        if error != rans.OK:
+            break
+        error = step()
+    return error, [tops, classes, lows, rest]
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 3, rans.LANES])
+@pytest.mark.parametrize("pairs, raw, singles", [(0, 0, 0), (1, 0, 0), (0, 3, 2), (5, 7, 1), (2000, 1500, 777)])
+def test_run_decoders_read_what_the_reference_encodes(lanes, pairs, raw, singles):
+    # The compact decoder reads long runs of one kind of symbol with its lanes' states in
+    # registers; every run must start on the lane where the one before it ended.
+    rng = np.random.default_rng(pairs + 31 * raw + lanes)
+    width = 11
+    symbols, tables, expected = run_plan(rng, pairs, raw, width, singles)
+    words = np.array(reference.encode(symbols, lanes), np.uint32)
+    assert compiled_encode(symbols, lanes).tolist() == words.tolist()
+    error, decoded = decode_runs(words, lanes, tables, (pairs, pairs, raw, singles), width)
+    assert error == rans.OK
+    for got, want in zip(decoded, expected):
+        assert got.tolist() == [int(v) for v in want]
+    if words.size > 2 * lanes:  # a word short: refused, by a run or at the end
+        error, _ = decode_runs(words[:-1], lanes, tables, (pairs, pairs, raw, singles), width)
+        assert error in (rans.ENDS_EARLY, rans.NOT_FINISHED)
+
+
+def test_the_encoders_division_is_exact_at_its_limits():
+    # The encoder divides by a frequency with a float multiplication and one correction:
+    # exact only if the estimate is within one, checked here where it is tightest (the
+    # largest states the encoder divides, frequencies that round worst).
+    divide = rans._divide.py_func
+    for scale in (12, 13, rans.PRECISION, 20, 31):
+        for freq in (2, 3, 7, 255, 4093, 65521, 65535, (1 << rans.PRECISION) - 1):
+            if freq >= 1 << scale:
+                continue
+            top = min(freq << (63 - scale), 1 << 63) - 1  # the largest state `encode` divides
+            for state in (top, top - 1, top - freq + 1, freq * (top // freq), (1 << 31), (1 << 31) + freq - 1):
+                assert divide(state, freq, scale) == divmod(state, freq), (state, freq, scale)
+    compiled = numba.njit(lambda s, f, c: rans._divide(s, f, c))
+    rng = np.random.default_rng(12)
+    for _ in range(2000):
+        scale = int(rng.integers(0, 32))
+        freq = int(rng.integers(2, 1 << min(scale, 16) + 1)) if scale else 1
+        if freq == 1:
+            continue
+        state = int(rng.integers(1 << 31, min(freq << (63 - scale), (1 << 63) - 1)))
+        assert compiled(state, freq, scale) == divmod(state, freq), (state, freq, scale)
 
 
 def test_damaged_coder_streams_raise_format_errors():
