@@ -5,7 +5,8 @@ a comparison of a whole vector of 64 int16 lanes instead (or 64 int32 lanes of f
 rounded to bf16 in the vector), which it lowers to a few SIMD instructions (on x86-64 with
 AVX2: compare, pack, `vpmovmskb`) on any target it supports.
 The compiled passes of [`delta_sync.sparse`] and [`delta_sync.compact`] count and locate
-elements through these masks and `popcount`, rather than element by element.
+elements through these masks and `popcount`, rather than element by element; where the
+machine has a fast one, [`deposit`] places a run of bits onto a mask's set bits.
 
 Call them from `numba.njit` functions only, with `start + 64 <= array.size`: they read 64
 elements from `start` without bounds checks.
@@ -20,11 +21,12 @@ Example:
 
 from __future__ import annotations
 
-from llvmlite import ir
+import numba
+from llvmlite import binding, ir
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["LANES", "at_least", "differ", "differ_rounded", "popcount"]
+__all__ = ["FAST_DEPOSIT", "LANES", "at_least", "deposit", "differ", "differ_rounded", "popcount"]
 
 #: Elements compared per mask.
 LANES = 64
@@ -131,3 +133,34 @@ def popcount(typingctx, mask):
         return builder.ctpop(args[0])
 
     return types.uint64(types.uint64), codegen
+
+
+def _fast_deposit() -> bool:
+    """Whether [`deposit`] compiles to one fast instruction here: x86-64 with BMI2 (`pdep`),
+    numba compiling for this machine's CPU, and not AMD Zen 1 or 2, where `pdep` is
+    microcoded and takes up to hundreds of cycles."""
+    if numba.config.CPU_NAME not in (None, "host"):
+        return False
+    if binding.get_host_cpu_name() in ("znver1", "znver2"):
+        return False
+    return bool(binding.get_host_cpu_features().get("bmi2", False))
+
+
+#: Whether [`deposit`] may be called: callers keep a path without it for other machines.
+FAST_DEPOSIT = _fast_deposit()
+
+
+@intrinsic
+def deposit(typingctx, bits, mask):
+    """The low bits of `bits` (uint64) placed, in order, at the set bits of `mask`: bit `k`
+    of `bits` lands on the `k`-th set bit of `mask` (x86-64 BMI2 `pdep`). Only where
+    `FAST_DEPOSIT`: elsewhere it does not compile."""
+    if bits != types.uint64 or mask != types.uint64:
+        return None
+
+    def codegen(context, builder, sig, args):
+        word = ir.IntType(64)
+        pdep = builder.module.declare_intrinsic("llvm.x86.bmi.pdep.64", fnty=ir.FunctionType(word, [word, word]))
+        return builder.call(pdep, args)
+
+    return types.uint64(types.uint64, types.uint64), codegen

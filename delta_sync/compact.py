@@ -93,7 +93,7 @@ from numba.cpython.unsafe.numbers import trailing_zeros
 
 from . import rans
 from .addresses import address_of, on_host, view
-from .bitmasks import LANES, popcount
+from .bitmasks import FAST_DEPOSIT, LANES, deposit, popcount
 from .bitmasks import at_least as at_least_mask
 from .changes import Encoding, SparseChange, index_dtype
 from .errors import ApplyError, FormatError
@@ -467,14 +467,12 @@ def _rank_changes(bits, boundaries, indices, old_bits, classes, zigzag, changed,
     thresholds = _thresholds(boundaries)
     at_least = np.zeros(groups + 1, np.int64)
     corrections = np.zeros(groups + 1, np.int64)
-    masks = np.zeros(groups + 1, np.uint64)
-    masks[0] = ~np.uint64(0)
+    masks = _edge_masks(groups)
     whole = numel - numel % LANES
     j = 0
     for start in range(0, whole, LANES):
         at_least[0] = start
-        for edge in range(1, groups):
-            masks[edge] = at_least_mask(bits, start, thresholds[edge])
+        _mask_edges(bits, start, thresholds, masks)
         while j < indices.size and indices[j] < start + LANES:
             i = np.int64(indices[j])
             below = (np.uint64(1) << np.uint64(i - start)) - np.uint64(1)
@@ -678,7 +676,7 @@ def _decode_tensor(words, bits, boundaries, changed, quantized, sizes, positions
         positions = ranks
     else:
         ends = np.cumsum(changed)
-        positions, sources = _select(bits, boundaries, ranks, ends - changed, ends)
+        positions, sources = _select_members(bits, boundaries, ranks, ends - changed, ends, counts)
         if positions.size != ranks.size:  # cannot happen: every rank was checked against its group's size
             return _OUTSIDE_GROUPS, 0, 0
         zigzag = zigzag[sources]
@@ -711,32 +709,33 @@ def _group_counts(bits, boundaries):
 
 
 @numba.njit(nogil=True, cache=True)
-def _select(bits, boundaries, ranks, starts, ends):
+def _select(bits, boundaries, ranks, starts, ends, counts):
     """Positions of the members of each group with the given ranks, in one pass, ascending.
 
-    `ranks[starts[g]:ends[g]]` are group `g`'s, ascending and each below its size. Returns
-    `(positions, sources)`: the positions found, ascending, and for each the index into
-    `ranks` it answers (fewer only if a rank is out of range).
+    `ranks[starts[g]:ends[g]]` are group `g`'s, ascending and each below its size
+    (`counts[g]`, unused here: see [`_select_by_deposit`]). Returns `(positions, sources)`:
+    the positions found, ascending, and for each the index into `ranks` it answers (fewer
+    only if a rank is out of range).
 
     Per 64 elements, the members of group `g` are the mask of its lower boundary less that
     of its upper one; where a group's wanted rank falls among them, the member is found by
-    clearing the mask's lowest bits, and the members found are written out in position order.
+    clearing the mask's lowest bits, and the members found are written out in position
+    order. The branches on whether a group has a wanted member among the 64, and how many,
+    go either way at random: [`_select_by_deposit`] has none, where the machine allows it.
     """
     groups = starts.size
     group_of = _group_table(boundaries)
     positions = np.empty(ranks.size, np.int64)
     sources = np.empty(ranks.size, np.int64)
     thresholds = _thresholds(boundaries)
-    masks = np.zeros(groups + 1, np.uint64)
-    masks[0] = ~np.uint64(0)
+    masks = _edge_masks(groups)
     following = starts.copy()
     members = np.zeros(groups, np.int64)  # members of each group before the current 64
     source_at = np.empty(LANES, np.int64)  # for each element found here, its index into `ranks`
     found = 0
     whole = bits.size - bits.size % LANES
     for start in range(0, whole, LANES):
-        for edge in range(1, groups):
-            masks[edge] = at_least_mask(bits, start, thresholds[edge])
+        _mask_edges(bits, start, thresholds, masks)
         hits = np.uint64(0)
         for group in range(groups):
             mine = masks[group] & ~masks[group + 1]
@@ -769,6 +768,92 @@ def _select(bits, boundaries, ranks, starts, ends):
             following[group] += 1
         members[group] += 1
     return positions[:found], sources[:found]
+
+
+@numba.njit(nogil=True, cache=True)
+def _rank_bitmaps(ranks, starts, ends, counts):
+    """`(words, bases)`: per group `g`, a bitmap of its members with bit `r` set where rank
+    `r` is among `ranks[starts[g]:ends[g]]` (each below `counts[g]`), starting at bit
+    `bases[g]` of `words` (a multiple of 64), with a spare zero word after each."""
+    groups = starts.size
+    bases = np.zeros(groups + 1, np.int64)
+    for group in range(groups):
+        bases[group + 1] = bases[group] + LANES * ((counts[group] + LANES - 1) // LANES + 1)
+    words = np.zeros(bases[groups] // LANES + 1, np.uint64)
+    for group in range(groups):
+        for j in range(starts[group], ends[group]):
+            bit = bases[group] + ranks[j]
+            words[bit >> 6] |= np.uint64(1) << np.uint64(bit & 63)
+    return words, bases
+
+
+@numba.njit(nogil=True, cache=True)
+def _select_by_deposit(bits, boundaries, ranks, starts, ends, counts):
+    """[`_select`] without a branch per group: each group's wanted ranks as a bitmap of its
+    members ([`_rank_bitmaps`]); per 64 elements, the next bits of each group's bitmap, as
+    many as it has members here, are deposited onto their positions ([`deposit`]) and the
+    changed elements are the union over the groups. A change's group then comes from its
+    exponent, and its index into `ranks` is the next of its group's."""
+    groups = starts.size
+    words, bases = _rank_bitmaps(ranks, starts, ends, counts)
+    positions = np.empty(ranks.size, np.int64)
+    sources = np.empty(ranks.size, np.int64)
+    group_of = _group_table(boundaries)
+    thresholds = _thresholds(boundaries)
+    masks = _edge_masks(groups)
+    following = starts.copy()
+    at = bases[:groups].copy()  # each group's bit for its next member
+    found = 0
+    whole = bits.size - bits.size % LANES
+    for start in range(0, whole, LANES):
+        _mask_edges(bits, start, thresholds, masks)
+        hits = np.uint64(0)
+        for group in range(groups):
+            mine = masks[group] & ~masks[group + 1]
+            word, offset = at[group] >> 6, np.uint64(at[group] & 63)
+            # The 64 bits from `at`; `<< 1 << (63 - offset)` is `<< (64 - offset)`, 0 at offset 0.
+            wanted = (words[word] >> offset) | ((words[word + 1] << np.uint64(1)) << (np.uint64(63) - offset))
+            hits |= deposit(wanted, mine)
+            at[group] += np.int64(popcount(mine))
+        while hits and found < ranks.size:
+            i = start + trailing_zeros(hits)
+            group = group_of[(bits[i] >> 7) & 0xFF]
+            positions[found] = i
+            sources[found] = following[group]
+            following[group] += 1
+            found += 1
+            hits &= hits - np.uint64(1)
+    for i in range(whole, bits.size):  # the last elements, fewer than 64
+        group = group_of[(bits[i] >> 7) & 0xFF]
+        if (words[at[group] >> 6] >> np.uint64(at[group] & 63)) & np.uint64(1) and found < ranks.size:
+            positions[found] = i
+            sources[found] = following[group]
+            following[group] += 1
+            found += 1
+        at[group] += 1
+    return positions[:found], sources[:found]
+
+
+# Where the machine deposits bits in one instruction, the decoder's select pass has no
+# branch per group (numba binds this when it compiles `_decode_tensor`).
+_select_members = _select_by_deposit if FAST_DEPOSIT else _select
+
+
+@numba.njit(inline="always")
+def _edge_masks(groups):
+    """Per edge of `groups` groups (the lower boundary of each, and one past the last), the
+    mask of the 64 current elements whose exponent is at least it: edge 0 holds every
+    element, edge `groups` none; [`_mask_edges`] sets the others."""
+    masks = np.zeros(groups + 1, np.uint64)
+    masks[0] = ~np.uint64(0)
+    return masks
+
+
+@numba.njit(inline="always")
+def _mask_edges(bits, start, thresholds, masks):
+    """The [`_edge_masks`] of the 64 elements from `start`, one vector compare per edge."""
+    for edge in range(1, masks.size - 1):
+        masks[edge] = at_least_mask(bits, start, thresholds[edge])
 
 
 @numba.njit(inline="always")

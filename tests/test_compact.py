@@ -10,7 +10,8 @@ import pytest
 import torch
 from rans_reference import varint
 
-from delta_sync import BF16ChangeDetector
+from delta_sync import BF16ChangeDetector, compact
+from delta_sync.bitmasks import FAST_DEPOSIT
 from delta_sync.compact import ENCODING, SUFFIX, decode_changes, encode_changes, entry_names
 from delta_sync.errors import ApplyError, FormatError
 from delta_sync.format import SparseChange, index_dtype
@@ -203,6 +204,44 @@ def test_round_trip_in_many_groups(rates):
     round_trip({"w": change}, {"w": previous})
     stream = encode_changes({"w": change}, {"w": previous})["w" + SUFFIX]
     assert stream[1] > 2, "changes whose rate follows the exponent are coded in several groups"
+
+
+@pytest.mark.skipif(
+    not FAST_DEPOSIT, reason="this machine has no fast bit deposit (x86-64 BMI2): only one select pass runs"
+)
+@pytest.mark.parametrize("numel", [64, 1000, 400_003])
+@pytest.mark.parametrize(
+    "rates",
+    [
+        {0: 0.97, 112: 0.6, 113: 0.2, 114: 0.05, 115: 0.01, 116: 0.001, 117: 0.0},
+        {0: 1.0, 114: 0.5, 116: 0.0005},
+        {0: 0.0, 113: 0.9999, 115: 0.0},
+        {0: 0.0},
+    ],
+)
+def test_both_select_passes_find_the_same_members(numel, rates):
+    # The decoder's select pass with a bit deposit (where the machine has one) and without
+    # it, on the same ranks: every group, dense and sparse, members at the tensor's end.
+    generator = torch.Generator().manual_seed(numel + len(rates))
+    previous = (torch.randn(numel, generator=generator) * 0.02).to(torch.bfloat16)
+    change = exponent_rate_change(generator, previous, rates)
+    prev_bits = bits(previous).numpy()
+    boundaries = np.array([112, 113, 114, 115, 116, 117], np.int64)
+    counts = compact._group_counts(prev_bits, boundaries)
+    group_of = compact._group_table(boundaries)[(prev_bits.astype(np.int64) >> 7) & 0xFF]
+    indices = change.indices.long().numpy()
+    ranks, changed = [], []
+    for group in range(boundaries.size + 1):
+        members = np.flatnonzero(group_of == group)
+        ranks.append(np.flatnonzero(np.isin(members, indices)))
+        changed.append(ranks[-1].size)
+    ends = np.cumsum(changed)
+    ranks = np.concatenate(ranks).astype(np.int64)
+    expected = compact._select(prev_bits, boundaries, ranks, ends - changed, ends, counts)
+    got = compact._select_by_deposit(prev_bits, boundaries, ranks, ends - changed, ends, counts)
+    assert np.array_equal(expected[0], indices)
+    for one, other in zip(expected, got):
+        assert np.array_equal(one, other)
 
 
 @pytest.mark.parametrize("offset", [1, 3])
