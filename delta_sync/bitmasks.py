@@ -26,7 +26,7 @@ from llvmlite import binding, ir
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["FAST_DEPOSIT", "LANES", "at_least", "deposit", "differ", "differ_rounded", "popcount"]
+__all__ = ["FAST_BIT_GATHER", "LANES", "at_least", "deposit", "differ", "differ_rounded", "extract", "popcount"]
 
 #: Elements compared per mask.
 LANES = 64
@@ -135,10 +135,10 @@ def popcount(typingctx, mask):
     return types.uint64(types.uint64), codegen
 
 
-def _fast_deposit() -> bool:
-    """Whether [`deposit`] compiles to one fast instruction here: x86-64 with BMI2 (`pdep`),
-    numba compiling for this machine's CPU, and not AMD Zen 1 or 2, where `pdep` is
-    microcoded and takes up to hundreds of cycles."""
+def _fast_bit_gather() -> bool:
+    """Whether [`deposit`] and [`extract`] compile to one fast instruction each here: x86-64
+    with BMI2 (`pdep`, `pext`), numba compiling for this machine's CPU, and not AMD Zen 1 or
+    2, where both are microcoded and take up to hundreds of cycles."""
     if numba.config.CPU_NAME not in (None, "host"):
         return False
     if binding.get_host_cpu_name() in ("znver1", "znver2"):
@@ -146,21 +146,36 @@ def _fast_deposit() -> bool:
     return bool(binding.get_host_cpu_features().get("bmi2", False))
 
 
-#: Whether [`deposit`] may be called: callers keep a path without it for other machines.
-FAST_DEPOSIT = _fast_deposit()
+#: Whether [`deposit`] and [`extract`] may be called: callers keep a path without them for other machines.
+FAST_BIT_GATHER = _fast_bit_gather()
+
+
+def _bmi2(name: str):
+    """The code of an x86-64 BMI2 instruction of two 64-bit words, by its LLVM intrinsic's name."""
+
+    def codegen(context, builder, sig, args):
+        word = ir.IntType(64)
+        function = builder.module.declare_intrinsic(name, fnty=ir.FunctionType(word, [word, word]))
+        return builder.call(function, args)
+
+    return codegen
 
 
 @intrinsic
 def deposit(typingctx, bits, mask):
     """The low bits of `bits` (uint64) placed, in order, at the set bits of `mask`: bit `k`
     of `bits` lands on the `k`-th set bit of `mask` (x86-64 BMI2 `pdep`). Only where
-    `FAST_DEPOSIT`: elsewhere it does not compile."""
+    `FAST_BIT_GATHER`: elsewhere it does not compile."""
     if bits != types.uint64 or mask != types.uint64:
         return None
+    return types.uint64(types.uint64, types.uint64), _bmi2("llvm.x86.bmi.pdep.64")
 
-    def codegen(context, builder, sig, args):
-        word = ir.IntType(64)
-        pdep = builder.module.declare_intrinsic("llvm.x86.bmi.pdep.64", fnty=ir.FunctionType(word, [word, word]))
-        return builder.call(pdep, args)
 
-    return types.uint64(types.uint64, types.uint64), codegen
+@intrinsic
+def extract(typingctx, bits, mask):
+    """The bits of `bits` (uint64) at the set bits of `mask`, packed in order into the low
+    bits of the result: the inverse of [`deposit`] (x86-64 BMI2 `pext`). Only where
+    `FAST_BIT_GATHER`: elsewhere it does not compile."""
+    if bits != types.uint64 or mask != types.uint64:
+        return None
+    return types.uint64(types.uint64, types.uint64), _bmi2("llvm.x86.bmi.pext.64")

@@ -35,8 +35,12 @@ first on a machine compiles them in a few). They read 64
 elements at a time into one mask per group boundary (the elements whose exponent is at
 least the boundary, a vector compare: [`delta_sync.bitmasks`]), so that counting a group's
 members is a `popcount`: the encoder reads the previous tensor once and takes each change's
-rank from the masks below it; the decoder counts the groups' sizes in one pass and finds
-the element of every decoded rank, all groups at once and in ascending order, in a second.
+rank from the masks below it; the decoder takes the groups' sizes from the header (they set
+its gap models) and finds the element of every decoded rank, all groups at once and in
+ascending order, in one pass that counts the groups' members too, so that a stream coded
+against other weights is refused. Where the machine has a fast bit deposit (x86-64 BMI2),
+that pass deposits each group's wanted ranks onto its members rather than branching on
+them ([`delta_sync.bitmasks.deposit`]).
 Everything else is O(changed elements). The encoder can read the
 previous tensor as the tensor after the change plus the old values of the changed elements
 (`old_values`), so a trainer codes against its advanced snapshot without copying it.
@@ -46,9 +50,10 @@ little-endian, is:
 
 | field | size | meaning |
 | --- | --- | --- |
-| version | 1 byte | `3` (version 2, coded with the `constriction` library, is refused with an error naming it) |
+| version | 1 byte | `4` (version 3, the same without the group sizes, is read too; version 2, coded with the `constriction` library, is refused with an error naming it) |
 | groups | 1 byte | number of exponent groups `G` (1-8) |
 | boundaries | `G - 1` bytes | first exponent of groups `1..G-1`, strictly ascending |
+| group sizes | `G - 1` varints | elements in groups `0..G-2` of the previous tensor (the last group holds the rest) |
 | per group: changed | varint | changed elements in the group |
 | per group with changes: value table | 1 + `C` bytes | highest value class `C - 1`, then a log-scale frequency per class (`round(4 log2(count)) + 1`, 0 for an absent class) |
 | words | varint | number of coder words that follow |
@@ -93,7 +98,7 @@ from numba.cpython.unsafe.numbers import trailing_zeros
 
 from . import rans
 from .addresses import address_of, on_host, view
-from .bitmasks import FAST_DEPOSIT, LANES, deposit, popcount
+from .bitmasks import FAST_BIT_GATHER, LANES, deposit, popcount
 from .bitmasks import at_least as at_least_mask
 from .changes import Encoding, SparseChange, index_dtype
 from .errors import ApplyError, FormatError
@@ -106,7 +111,9 @@ ENCODING = Encoding.COMPACT
 #: Suffix of the one tensor each changed parameter is stored under.
 SUFFIX = ".compact"
 
-_VERSION = 3
+_VERSION = 4
+# Version 3 is read too: the same layout without the group sizes, which the decoder counts.
+_READ_VERSIONS = (3, 4)
 # Each group boundary costs a pass over the tensor on both sides; 8 groups keep all but ~1%
 # of the gain of one group per exponent on real training streams.
 _MAX_GROUPS = 8
@@ -337,7 +344,7 @@ def _encode_tensor(bits, positions, new_bits, old_bits, patched):
         counts = np.full(1, bits.size, np.int64)
         ranks = positions
     words = _encode_groups(ranks.astype(np.int64), classes, zigzag, counts, changed, quantized, sizes)
-    return _stream(boundaries, changed, quantized, sizes, words)
+    return _stream(boundaries, counts, changed, quantized, sizes, words)
 
 
 def _encoder_inputs(
@@ -518,16 +525,18 @@ def _place(j, group, rank, slots, ranks, classes, zigzag, sorted_classes, sorted
 
 
 @numba.njit(nogil=True, cache=True)
-def _stream(boundaries, changed, tables, sizes, words):
+def _stream(boundaries, counts, changed, tables, sizes, words):
     """Header and words as bytes (the layout in the module's docstring)."""
     groups = changed.size
-    out = np.empty(2 + boundaries.size + groups * (10 + 1 + _CLASSES) + 10 + 4 * words.size, np.uint8)
+    out = np.empty(2 + boundaries.size + groups * (20 + 1 + _CLASSES) + 10 + 4 * words.size, np.uint8)
     out[0] = _VERSION
     out[1] = groups
     at = 2
     for boundary in boundaries:
         out[at] = boundary
         at += 1
+    for group in range(groups - 1):  # the last group holds the rest of the tensor
+        at = _put_varint(out, at, counts[group])
     for group in range(groups):
         at = _put_varint(out, at, changed[group])
         if changed[group]:
@@ -564,6 +573,7 @@ def _decode_batch(
     changed = np.zeros((count, _MAX_GROUPS), np.int64)
     quantized = np.zeros((count, _MAX_GROUPS, _CLASSES), np.uint8)
     sizes = np.zeros((count, _MAX_GROUPS), np.int64)
+    members = np.full((count, _MAX_GROUPS), -1, np.int64)  # -1: to be counted (version 3)
     wide = np.zeros(count, np.bool_)
     alive, outputs = [], []  # what the compiled call reads and writes by address
     for t, name in enumerate(names):
@@ -578,6 +588,8 @@ def _decode_batch(
         header = _Header.read(reader, numel)
         reader.check_words(header.words)
         groups[t] = len(header.changed)
+        if header.members is not None:
+            members[t, : groups[t]] = header.members
         boundaries[t, : len(header.boundaries)] = header.boundaries
         changed[t, : groups[t]] = header.changed
         for group, table_bytes in enumerate(header.tables):
@@ -597,7 +609,7 @@ def _decode_batch(
         )
         alive.append((stream, held))
         outputs.append((positions, values))
-    errors = _decode_tensors(table, wide, groups, boundaries, changed, quantized, sizes)
+    errors = _decode_tensors(table, wide, groups, boundaries, members, changed, quantized, sizes)
     decoded = {}
     for t, name in enumerate(names):
         code, group, members = errors[t].tolist()
@@ -615,13 +627,14 @@ def _decode_batch(
 
 
 @numba.njit(nogil=True, cache=True)
-def _decode_tensors(table, wide, groups, boundaries, changed, quantized, sizes):
+def _decode_tensors(table, wide, groups, boundaries, members, changed, quantized, sizes):
     """Decode the tensors of `table` (per row: the address of their coder words' first byte
     and their count, the address and size of their previous bits, and the addresses of the
     positions, int64 where `wide` else int32, and values to write), with their headers'
-    fields per row: per tensor `(error, group, members)`, an error code (`rans.OK`:
-    decoded), and for a group claiming more changes than it has members, the group and its
-    members."""
+    fields per row (`members`: the groups' sizes, -1 where the stream does not give them):
+    per tensor `(error, group, members)`, an error code (`rans.OK`: decoded), and for a
+    group claiming more changes than it has members, or another size than it has, the
+    group and its members."""
     errors = np.zeros((table.shape[0], 3), np.int64)
     for t in range(table.shape[0]):
         g = groups[t]
@@ -630,8 +643,9 @@ def _decode_tensors(table, wide, groups, boundaries, changed, quantized, sizes):
             k += changed[t, group]
         words = _words(view(table[t, 0], 4 * table[t, 1], np.uint8))
         bits = view(table[t, 2], table[t, 3], np.int16)
-        edges, changes, tables, table_sizes = (
+        edges, claimed, changes, tables, table_sizes = (
             boundaries[t, : g - 1].copy(),
+            members[t, :g].copy(),
             changed[t, :g].copy(),
             quantized[t, :g],
             sizes[t, :g].copy(),
@@ -639,11 +653,11 @@ def _decode_tensors(table, wide, groups, boundaries, changed, quantized, sizes):
         values = view(table[t, 5], k, np.int16)
         if wide[t]:
             result = _decode_tensor(
-                words, bits, edges, changes, tables, table_sizes, view(table[t, 4], k, np.int64), values
+                words, bits, edges, claimed, changes, tables, table_sizes, view(table[t, 4], k, np.int64), values
             )
         else:
             result = _decode_tensor(
-                words, bits, edges, changes, tables, table_sizes, view(table[t, 4], k, np.int32), values
+                words, bits, edges, claimed, changes, tables, table_sizes, view(table[t, 4], k, np.int32), values
             )
         errors[t, 0], errors[t, 1], errors[t, 2] = result
     return errors
@@ -662,10 +676,17 @@ def _words(data):
 
 
 @numba.njit(nogil=True, cache=True)
-def _decode_tensor(words, bits, boundaries, changed, quantized, sizes, positions_out, values_out):
+def _decode_tensor(words, bits, boundaries, claimed, changed, quantized, sizes, positions_out, values_out):
     """One tensor's changes into `positions_out` and `values_out`: `(error, group, members)`
-    as [`_decode_tensors`] returns them."""
-    counts = _group_counts(bits, boundaries)
+    as [`_decode_tensors`] returns them. The groups' sizes are those the header `claimed`
+    (checked against the tensor by the select pass, which counts them as it goes), or
+    counted here first (version 3)."""
+    if claimed.size == 1:
+        counts = np.full(1, bits.size, np.int64)
+    elif claimed[0] >= 0:
+        counts = claimed
+    else:
+        counts = _group_counts(bits, boundaries)
     for group in range(counts.size):
         if changed[group] > counts[group]:
             return _TOO_MANY_CHANGES, group, counts[group]
@@ -676,7 +697,10 @@ def _decode_tensor(words, bits, boundaries, changed, quantized, sizes, positions
         positions = ranks
     else:
         ends = np.cumsum(changed)
-        positions, sources = _select_members(bits, boundaries, ranks, ends - changed, ends, counts)
+        positions, sources, found = _select_members(bits, boundaries, ranks, ends - changed, ends, counts)
+        for group in range(counts.size):
+            if found[group] != counts[group]:
+                return _WRONG_SIZES, group, found[group]
         if positions.size != ranks.size:  # cannot happen: every rank was checked against its group's size
             return _OUTSIDE_GROUPS, 0, 0
         zigzag = zigzag[sources]
@@ -713,9 +737,10 @@ def _select(bits, boundaries, ranks, starts, ends, counts):
     """Positions of the members of each group with the given ranks, in one pass, ascending.
 
     `ranks[starts[g]:ends[g]]` are group `g`'s, ascending and each below its size
-    (`counts[g]`, unused here: see [`_select_by_deposit`]). Returns `(positions, sources)`:
-    the positions found, ascending, and for each the index into `ranks` it answers (fewer
-    only if a rank is out of range).
+    (`counts[g]`, as the header claims it: unused here, see [`_select_by_deposit`]).
+    Returns `(positions, sources, members)`: the positions found, ascending, for each the
+    index into `ranks` it answers (fewer only if a rank is out of range), and the members
+    of each group, counted.
 
     Per 64 elements, the members of group `g` are the mask of its lower boundary less that
     of its upper one; where a group's wanted rank falls among them, the member is found by
@@ -767,7 +792,7 @@ def _select(bits, boundaries, ranks, starts, ends, counts):
             found += 1
             following[group] += 1
         members[group] += 1
-    return positions[:found], sources[:found]
+    return positions[:found], sources[:found], members
 
 
 @numba.njit(nogil=True, cache=True)
@@ -796,6 +821,7 @@ def _select_by_deposit(bits, boundaries, ranks, starts, ends, counts):
     exponent, and its index into `ranks` is the next of its group's."""
     groups = starts.size
     words, bases = _rank_bitmaps(ranks, starts, ends, counts)
+    last = words.size - 2  # a group larger than the header claims reads no further
     positions = np.empty(ranks.size, np.int64)
     sources = np.empty(ranks.size, np.int64)
     group_of = _group_table(boundaries)
@@ -810,7 +836,7 @@ def _select_by_deposit(bits, boundaries, ranks, starts, ends, counts):
         hits = np.uint64(0)
         for group in range(groups):
             mine = masks[group] & ~masks[group + 1]
-            word, offset = at[group] >> 6, np.uint64(at[group] & 63)
+            word, offset = min(at[group] >> 6, last), np.uint64(at[group] & 63)
             # The 64 bits from `at`; `<< 1 << (63 - offset)` is `<< (64 - offset)`, 0 at offset 0.
             wanted = (words[word] >> offset) | ((words[word + 1] << np.uint64(1)) << (np.uint64(63) - offset))
             hits |= deposit(wanted, mine)
@@ -825,18 +851,18 @@ def _select_by_deposit(bits, boundaries, ranks, starts, ends, counts):
             hits &= hits - np.uint64(1)
     for i in range(whole, bits.size):  # the last elements, fewer than 64
         group = group_of[(bits[i] >> 7) & 0xFF]
-        if (words[at[group] >> 6] >> np.uint64(at[group] & 63)) & np.uint64(1) and found < ranks.size:
+        if (words[min(at[group] >> 6, last)] >> np.uint64(at[group] & 63)) & np.uint64(1) and found < ranks.size:
             positions[found] = i
             sources[found] = following[group]
             following[group] += 1
             found += 1
         at[group] += 1
-    return positions[:found], sources[:found]
+    return positions[:found], sources[:found], at - bases[:groups]
 
 
 # Where the machine deposits bits in one instruction, the decoder's select pass has no
 # branch per group (numba binds this when it compiles `_decode_tensor`).
-_select_members = _select_by_deposit if FAST_DEPOSIT else _select
+_select_members = _select_by_deposit if FAST_BIT_GATHER else _select
 
 
 @numba.njit(inline="always")
@@ -925,6 +951,7 @@ class _Reader:
 @dataclass
 class _Header:
     boundaries: list[int]
+    members: list[int] | None  # the groups' sizes (None in version 3: counted)
     changed: list[int]
     tables: list[np.ndarray | None] = field(default_factory=list)
     words: int = 0
@@ -932,9 +959,10 @@ class _Header:
     @classmethod
     def read(cls, reader: _Reader, numel: int) -> _Header:
         version = reader.byte("version")
-        if version != _VERSION:
+        if version not in _READ_VERSIONS:
+            readable = " and ".join(map(str, _READ_VERSIONS))
             raise FormatError(
-                f"{reader.where}: compact stream version {version} is not supported (this library reads {_VERSION})"
+                f"{reader.where}: compact stream version {version} is not supported (this library reads {readable})"
             )
         groups = reader.byte("group count")
         if not 1 <= groups <= _MAX_GROUPS:
@@ -942,6 +970,13 @@ class _Header:
         boundaries = [int(b) for b in reader.bytes(groups - 1, "group boundaries")]
         if any(b <= a for a, b in zip([0, *boundaries], boundaries)):
             raise FormatError(f"{reader.where}: group boundaries {boundaries} are not strictly ascending exponents")
+        members = None
+        if version >= 4:
+            members, rest = [], numel
+            for group in range(groups - 1):
+                members.append(reader.varint(rest, f"size of group {group}"))
+                rest -= members[-1]
+            members.append(rest)
         changed, tables, total = [], [], 0
         for group in range(groups):
             count = reader.varint(numel - total, f"change count of group {group}")
@@ -959,7 +994,7 @@ class _Header:
                     raise FormatError(f"{reader.where}: value table of group {group} is empty")
             tables.append(table)
         words = reader.varint(numel * 8 + 8, "length of the entropy-coded data")
-        return cls(boundaries=boundaries, changed=changed, tables=tables, words=words)
+        return cls(boundaries=boundaries, members=members, changed=changed, tables=tables, words=words)
 
 
 # -- exponent groups -------------------------------------------------------------------------
@@ -1391,6 +1426,7 @@ _GAP_TOO_LONG = 101
 _PAST_GROUP = 102
 _TOO_MANY_CHANGES = 103
 _OUTSIDE_GROUPS = 104
+_WRONG_SIZES = 105
 _GROUP_MESSAGES = {
     _GAP_TOO_LONG: "an escaped gap is longer than 2^48",
     _PAST_GROUP: "decoded positions run past the end of their group",
@@ -1399,6 +1435,11 @@ _GROUP_MESSAGES = {
 
 
 def _decode_error(code: int, group: int, changed: int, members: int) -> str:
+    if code == _WRONG_SIZES:
+        return (
+            f"group {group} has {members} members in the held tensor, not the size the header gives; "
+            "the stream is damaged or was coded against other weights"
+        )
     if code == _TOO_MANY_CHANGES:
         return f"group {group} claims {changed} changes among {members} elements"
     if code in _GROUP_MESSAGES:

@@ -1,4 +1,4 @@
-"""A plain, slow reference of the compact encoding's entropy coder and stream (version 3),
+"""A plain, slow reference of the compact encoding's entropy coder and stream (versions 3 and 4),
 written from the format's description with Python integers, independently of
 `delta_sync.rans` and `delta_sync.compact`: the tests check that each side decodes what
 the other encodes, byte for byte where both encode.
@@ -20,7 +20,7 @@ TOPS = 64
 DIRECT_CLASSES = 16
 CLASSES = 28
 CHUNK_BITS = 16
-VERSION = 3
+VERSION = 4  # version 3: the same without the groups' sizes in the header
 
 
 # -- the coder ----------------------------------------------------------------------------------
@@ -162,11 +162,16 @@ def zigzag_of(new: int, old: int) -> int:
     return ((diff << 1) ^ (diff >> 15)) & 0xFFFF
 
 
-def encode_stream(prev_bits: np.ndarray, indices: np.ndarray, new_bits: np.ndarray, boundaries: list[int]) -> bytes:
-    """A version-3 compact stream of the changes (`indices` ascending, `new_bits` int16) in the groups `boundaries` give."""
+def encode_stream(
+    prev_bits: np.ndarray, indices: np.ndarray, new_bits: np.ndarray, boundaries: list[int], version: int = VERSION
+) -> bytes:
+    """A compact stream of the changes (`indices` ascending, `new_bits` int16) in the groups `boundaries` give."""
     prev = prev_bits.astype(np.int64)
     groups = group_of_elements(prev_bits, boundaries)
-    header = bytearray([VERSION, len(boundaries) + 1, *boundaries])
+    header = bytearray([version, len(boundaries) + 1, *boundaries])
+    if version >= 4:
+        for group in range(len(boundaries)):
+            header += varint(int((groups == group).sum()))
     symbols: list[tuple[int, int, int]] = []
     for group in range(len(boundaries) + 1):
         members = np.flatnonzero(groups == group)
@@ -274,12 +279,18 @@ class Reader:
 
 
 def decode_stream(data: bytes, prev_bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """`(indices, new_bits)` of a version-3 compact stream against the previous tensor's bits (int16)."""
+    """`(indices, new_bits)` of a compact stream (version 3 or 4) against the previous tensor's bits (int16)."""
     reader = Reader(bytes(data))
-    if reader.byte() != VERSION:
-        raise ValueError("not a version-3 stream")
+    version = reader.byte()
+    if version not in (3, 4):
+        raise ValueError(f"version {version} is not 3 or 4")
     group_count = reader.byte()
     boundaries = [reader.byte() for _ in range(group_count - 1)]
+    groups = group_of_elements(prev_bits, boundaries)
+    if version >= 4:
+        for group in range(group_count - 1):
+            if reader.varint() != (groups == group).sum():
+                raise ValueError(f"group {group}'s size is not the tensor's")
     changed, tables = [], []
     for _ in range(group_count):
         changed.append(reader.varint())
@@ -290,7 +301,6 @@ def decode_stream(data: bytes, prev_bits: np.ndarray) -> tuple[np.ndarray, np.nd
         raise ValueError("word count does not match")
     lanes = LANES if sum(changed) >= MIN_LANED_CHANGES else 1
     decoder = Decoder([int.from_bytes(rest[4 * i : 4 * i + 4], "little") for i in range(word_count)], lanes)
-    groups = group_of_elements(prev_bits, boundaries)
     prev = prev_bits.astype(np.int64)
     found: list[tuple[int, int]] = []
     for group, (k, table_bytes) in enumerate(zip(changed, tables)):

@@ -11,7 +11,7 @@ import torch
 from rans_reference import varint
 
 from delta_sync import BF16ChangeDetector, compact
-from delta_sync.bitmasks import FAST_DEPOSIT
+from delta_sync.bitmasks import FAST_BIT_GATHER
 from delta_sync.compact import ENCODING, SUFFIX, decode_changes, encode_changes, entry_names
 from delta_sync.errors import ApplyError, FormatError
 from delta_sync.format import SparseChange, index_dtype
@@ -21,7 +21,7 @@ from conftest import TwoTower, train_step
 pytestmark = pytest.mark.timeout(120)
 
 SOURCE = "deltas/step_00000002.safetensors"
-VERSION = 3  # first byte of a compact stream
+VERSION = 4  # first byte of a compact stream
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -207,7 +207,7 @@ def test_round_trip_in_many_groups(rates):
 
 
 @pytest.mark.skipif(
-    not FAST_DEPOSIT, reason="this machine has no fast bit deposit (x86-64 BMI2): only one select pass runs"
+    not FAST_BIT_GATHER, reason="this machine has no fast bit deposit (x86-64 BMI2): only one select pass runs"
 )
 @pytest.mark.parametrize("numel", [64, 1000, 400_003])
 @pytest.mark.parametrize(
@@ -420,8 +420,12 @@ def test_wrong_entry_layout_is_refused(encoded):
         decode_changes({"w" + SUFFIX: stream}, {"w": previous.float()}, shapes, source=SOURCE)
 
 
-def header(groups: int, boundaries: list[int], counts: list[bytes], tables: list[bytes]) -> torch.Tensor:
-    data = bytes([VERSION, groups, *boundaries]) + b"".join(count + table for count, table in zip(counts, tables))
+def header(
+    groups: int, boundaries: list[int], counts: list[bytes], tables: list[bytes], sizes: list[int] = ()
+) -> torch.Tensor:
+    """A stream's header (the sizes of groups `0..groups - 2` given by `sizes`) and a few words."""
+    data = bytes([VERSION, groups, *boundaries]) + b"".join(varint(size) for size in sizes)
+    data += b"".join(count + table for count, table in zip(counts, tables))
     return torch.frombuffer(bytearray(data + b"\x02" + bytes(8)), dtype=torch.uint8)
 
 
@@ -430,10 +434,11 @@ def test_header_fields_are_validated():
     cases = {
         "version 9 is not supported": torch.tensor([9, 1, 0], dtype=torch.uint8),
         # Version 2 (constriction's coder) is not read: its streams name the version.
-        "version 2 is not supported .this library reads 3.": torch.tensor([2, 1, 0, 0], dtype=torch.uint8),
+        "version 2 is not supported .this library reads 3 and 4.": torch.tensor([2, 1, 0, 0], dtype=torch.uint8),
         "group count is 0": torch.tensor([VERSION, 0], dtype=torch.uint8),
         "group count is 9": header(9, list(range(1, 9)), [b"\0"] * 9, [b""] * 9),
         "not strictly ascending": header(3, [5, 5], [b"\0"] * 3, [b""] * 3),
+        "size of group 1 is 600, more than the 400 possible": header(3, [5, 6], [b"\0"] * 3, [b""] * 3, [600, 600]),
         "more than the": header(1, [], [varint(1001)], [b"\x00\x01"]),
         "at most 28": header(1, [], [varint(3)], [bytes([40]) + bytes(41)]),
         "value table of group 0 is empty": header(1, [], [varint(3)], [b"\x01\x00\x00"]),
@@ -448,10 +453,25 @@ def test_a_group_claiming_more_changes_than_members_is_refused_naming_its_tensor
     # Every tensor of a file decodes in one compiled call: the error still names the one at fault.
     previous, _, stream = encoded
     held = torch.zeros(1000, dtype=torch.bfloat16)  # every element in group 0 (exponent 0)
-    entries = {"w" + SUFFIX: stream, "bad" + SUFFIX: header(2, [100], [varint(0), varint(3)], [b"", b"\x01\x05\x05"])}
+    bad = header(2, [100], [varint(0), varint(3)], [b"", b"\x01\x05\x05"], [1000])
+    entries = {"w" + SUFFIX: stream, "bad" + SUFFIX: bad}
     shapes = {"w": tuple(previous.shape), "bad": (1000,)}
     with pytest.raises(FormatError, match=r"bad\.compact: group 1 claims 3 changes among 0 elements"):
         decode_changes(entries, {"w": previous, "bad": held}, shapes, source=SOURCE)
+
+
+def test_a_stream_for_other_weights_is_refused_by_its_group_sizes(encoded):
+    # The header gives each group's size in the weights the delta was coded against; held
+    # weights whose groups differ (a replica holding another version) are refused by name,
+    # not decoded into wrong positions.
+    previous, change, stream = encoded
+    other = previous.clone()
+    unchanged = np.setdiff1d(np.arange(previous.numel()), change.indices.long().numpy())[:50]
+    bits(other)[torch.from_numpy(unchanged)] = 0x3F80  # 1.0: into the highest group
+    boundaries = stream[2 : 2 + int(stream[1]) - 1].tolist()
+    assert any(int(bits(previous)[i]) >> 7 & 0xFF < boundaries[-1] for i in unchanged)
+    with pytest.raises(FormatError, match=r"w\.compact: group \d+ has \d+ members in the held tensor, not the size"):
+        decode_changes({"w" + SUFFIX: stream}, {"w": other}, {"w": tuple(previous.shape)}, source=SOURCE)
 
 
 def test_a_huge_claimed_count_is_refused_before_allocating():

@@ -327,8 +327,9 @@ def check_against_reference(previous: torch.Tensor, change: SparseChange) -> Non
     boundaries = list(stream[2 : 2 + stream[1] - 1])
     ours = reference.encode_stream(prev_bits, indices, new_bits, boundaries)
     assert ours == stream
-    for groups in ([], [110, 118, 122]):  # the reference's own choice of groups, too
-        ours = reference.encode_stream(prev_bits, indices, new_bits, groups)
+    # The reference's own choice of groups, too; and version 3 (the decoder counts the groups' sizes).
+    for groups, version in (([], 4), ([110, 118, 122], 4), (boundaries, 3)):
+        ours = reference.encode_stream(prev_bits, indices, new_bits, groups, version)
         entry = torch.frombuffer(bytearray(ours), dtype=torch.uint8)
         decoded = decode_changes({"w" + SUFFIX: entry}, {"w": previous}, {"w": tuple(previous.shape)}, source="x")["w"]
         assert torch.equal(decoded.indices.long(), change.indices.long())
