@@ -428,10 +428,20 @@ def _sample_counts(bits, indices, old_bits, patched):
 
 @numba.njit(nogil=True, cache=True)
 def _run_histogram(bits, runs, step, length, indices, old_bits, patched):
-    counts = np.zeros(256, np.int64)
+    # Weights share a few exponents: counted into one histogram, each element waits for the
+    # element before it to store the same count. Four, one per element in turn, overlap.
+    partial = np.zeros((4, 256), np.int64)
     for run in range(runs):
-        for i in range(run * step, run * step + length):
-            counts[(bits[i] >> 7) & 0xFF] += 1
+        begin, end = run * step, run * step + length
+        whole = end - (end - begin) % 4
+        for i in range(begin, whole, 4):
+            partial[0, (bits[i] >> 7) & 0xFF] += 1
+            partial[1, (bits[i + 1] >> 7) & 0xFF] += 1
+            partial[2, (bits[i + 2] >> 7) & 0xFF] += 1
+            partial[3, (bits[i + 3] >> 7) & 0xFF] += 1
+        for i in range(whole, end):
+            partial[0, (bits[i] >> 7) & 0xFF] += 1
+    counts = partial.sum(axis=0)
     if patched:
         j = 0
         for run in range(runs):

@@ -256,6 +256,30 @@ def test_round_trip_from_a_view_that_starts_mid_word(offset):
     assert encode_changes({"w": change}, {"w": previous})["w" + SUFFIX][1] > 2
 
 
+@pytest.mark.parametrize("numel", [1, 5, 4099, 100_000, 2_000_003])
+@pytest.mark.parametrize("patched", [False, True])
+def test_the_sample_counts_each_sampled_element_by_its_previous_exponent(numel, patched):
+    # The encoder chooses its groups from a histogram of a sample (runs spread over the
+    # tensor), counted four elements at a time; with `patched`, the changed elements count
+    # with their old exponents.
+    rng = np.random.default_rng(numel)
+    prev_bits = bits((torch.randn(numel) * 0.02).to(torch.bfloat16)).numpy()
+    positions = np.sort(rng.choice(numel, max(1, numel // 50), replace=False)).astype(np.int64)
+    old = rng.integers(-(2**15), 2**15, positions.size).astype(np.int16)
+    runs = max(compact._SAMPLE_RUNS, numel // (compact._SAMPLE_EVERY * compact._SAMPLE_RUN))
+    if numel <= runs * compact._SAMPLE_RUN:
+        sampled = np.arange(numel)
+    else:
+        step = (numel - compact._SAMPLE_RUN) // (runs - 1)
+        sampled = np.concatenate([np.arange(r * step, r * step + compact._SAMPLE_RUN) for r in range(runs)])
+    expected = np.bincount((prev_bits[sampled].astype(np.int64) >> 7) & 0xFF, minlength=256)
+    if patched:
+        for j in np.flatnonzero(np.isin(positions, sampled)):
+            expected[(int(prev_bits[positions[j]]) >> 7) & 0xFF] -= 1
+            expected[(int(old[j]) >> 7) & 0xFF] += 1
+    assert compact._sample_counts(prev_bits, positions, old, patched).tolist() == expected.tolist()
+
+
 def test_round_trip_with_exponents_far_apart():
     # Magnitudes spread over a few exponents only, with nothing in between.
     generator = torch.Generator().manual_seed(4)
