@@ -26,7 +26,7 @@ from llvmlite import binding, ir
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["FAST_BIT_GATHER", "LANES", "at_least", "deposit", "differ", "differ_rounded", "extract", "popcount"]
+__all__ = ["FAST_BIT_GATHER", "LANES", "at_least", "deposit", "differ", "differ_rounded", "popcount"]
 
 #: Elements compared per mask.
 LANES = 64
@@ -136,9 +136,9 @@ def popcount(typingctx, mask):
 
 
 def _fast_bit_gather() -> bool:
-    """Whether [`deposit`] and [`extract`] compile to one fast instruction each here: x86-64
-    with BMI2 (`pdep`, `pext`), numba compiling for this machine's CPU, and not AMD Zen 1 or
-    2, where both are microcoded and take up to hundreds of cycles."""
+    """Whether [`deposit`] compiles to one fast instruction here: x86-64 with BMI2 (`pdep`),
+    numba compiling for this machine's CPU, and not AMD Zen 1 or 2, where it is microcoded
+    and takes up to hundreds of cycles."""
     if numba.config.CPU_NAME not in (None, "host"):
         return False
     if binding.get_host_cpu_name() in ("znver1", "znver2"):
@@ -146,7 +146,7 @@ def _fast_bit_gather() -> bool:
     return bool(binding.get_host_cpu_features().get("bmi2", False))
 
 
-#: Whether [`deposit`] and [`extract`] may be called: callers keep a path without them for other machines.
+#: Whether [`deposit`] may be called: callers keep a path without it for other machines.
 FAST_BIT_GATHER = _fast_bit_gather()
 
 
@@ -169,13 +169,3 @@ def deposit(typingctx, bits, mask):
     if bits != types.uint64 or mask != types.uint64:
         return None
     return types.uint64(types.uint64, types.uint64), _bmi2("llvm.x86.bmi.pdep.64")
-
-
-@intrinsic
-def extract(typingctx, bits, mask):
-    """The bits of `bits` (uint64) at the set bits of `mask`, packed in order into the low
-    bits of the result: the inverse of [`deposit`] (x86-64 BMI2 `pext`). Only where
-    `FAST_BIT_GATHER`: elsewhere it does not compile."""
-    if bits != types.uint64 or mask != types.uint64:
-        return None
-    return types.uint64(types.uint64, types.uint64), _bmi2("llvm.x86.bmi.pext.64")
