@@ -18,7 +18,8 @@ from delta_sync.format import SparseChange, index_dtype
 
 from conftest import TwoTower, train_step
 
-pytestmark = pytest.mark.timeout(120)
+# The first test in a process may compile the codec (about a minute; more on a busy machine).
+pytestmark = pytest.mark.timeout(300)
 
 SOURCE = "deltas/step_00000002.safetensors"
 VERSION = 4  # first byte of a compact stream
