@@ -125,6 +125,10 @@ def main() -> None:
     # atomic) after everything buffered, never interleaved with the other rank's output.
     sys.stdout.flush()
     os.write(sys.stdout.fileno(), f"RESULT {json.dumps(result)}\n".encode())
+    # Torn down before the interpreter exits: a process group left to its destructor can
+    # abort the process on the way out ("terminate called without an active exception").
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
