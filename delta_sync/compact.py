@@ -478,12 +478,11 @@ def _rank_changes(bits, boundaries, indices, old_bits, classes, zigzag, changed,
     for group in range(1, groups):
         slots[group] = slots[group - 1] + changed[group - 1]
     # Edge e is the lower boundary of group e: edge 0 holds every element, edge `groups`
-    # none. `at_least[e]`: elements before the current 64 whose exponent is at least edge e,
-    # counted as the tensor holds them (new values at changed positions); `corrections[e]`
-    # turns that into the count of their old values, for the changes seen so far.
+    # none. `at_least[e]`: elements before the current 64 whose old exponent is at least
+    # edge e. The masks see the tensor as it is (new values at the changed positions), so
+    # a change that moved an element across an edge corrects the count once it is seen.
     thresholds = _thresholds(boundaries)
     at_least = np.zeros(groups + 1, np.int64)
-    corrections = np.zeros(groups + 1, np.int64)
     masks = _edge_masks(groups)
     whole = numel - numel % LANES
     j = 0
@@ -495,13 +494,13 @@ def _rank_changes(bits, boundaries, indices, old_bits, classes, zigzag, changed,
             below = (np.uint64(1) << np.uint64(i - start)) - np.uint64(1)
             old = (old_bits[j] >> 7) & 0xFF
             group = group_of[old]
-            lower = at_least[group] + corrections[group] + np.int64(popcount(masks[group] & below))
-            upper = at_least[group + 1] + corrections[group + 1] + np.int64(popcount(masks[group + 1] & below))
+            lower = at_least[group] + np.int64(popcount(masks[group] & below))
+            upper = at_least[group + 1] + np.int64(popcount(masks[group + 1] & below))
             _place(j, group, lower - upper, slots, ranks, classes, zigzag, sorted_classes, sorted_zigzag)
             new = (bits[i] >> 7) & 0xFF
             if new != old:
                 for edge in range(1, groups):
-                    corrections[edge] += np.int64(old >= boundaries[edge - 1]) - np.int64(new >= boundaries[edge - 1])
+                    at_least[edge] += np.int64(old >= boundaries[edge - 1]) - np.int64(new >= boundaries[edge - 1])
             j += 1
         for edge in range(1, groups):
             at_least[edge] += np.int64(popcount(masks[edge]))
@@ -510,9 +509,8 @@ def _rank_changes(bits, boundaries, indices, old_bits, classes, zigzag, changed,
         if j < indices.size and indices[j] == i:
             exponent = (old_bits[j] >> 7) & 0xFF
             group = group_of[exponent]
-            lower = at_least[group] + corrections[group]
-            upper = at_least[group + 1] + corrections[group + 1]
-            _place(j, group, lower - upper, slots, ranks, classes, zigzag, sorted_classes, sorted_zigzag)
+            rank = at_least[group] - at_least[group + 1]
+            _place(j, group, rank, slots, ranks, classes, zigzag, sorted_classes, sorted_zigzag)
             j += 1
         else:
             exponent = (bits[i] >> 7) & 0xFF
@@ -520,7 +518,7 @@ def _rank_changes(bits, boundaries, indices, old_bits, classes, zigzag, changed,
             at_least[edge] += np.int64(exponent >= boundaries[edge - 1])
     at_least[0] = numel
     for group in range(groups):
-        counts[group] = at_least[group] + corrections[group] - at_least[group + 1] - corrections[group + 1]
+        counts[group] = at_least[group] - at_least[group + 1]
     return ranks, sorted_classes, sorted_zigzag
 
 
