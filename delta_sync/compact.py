@@ -1317,7 +1317,7 @@ def _encode_groups(ranks, classes, zigzag, counts, changed, quantized, sizes):
     groups = counts.size
     # Symbols of each group, at most: a top and its low chunks per coded element; a class per
     # change; per escape (a gap of at least `_TOPS << shift`, so at most `count // (_TOPS <<
-    # shift)` of them) its length and up to 3 chunks; a chunk per wide value.
+    # shift)` of them) its length and up to 3 chunks; per change, a chunk if its value is wide.
     capacity = 0
     for group in range(groups):
         k = changed[group]
@@ -1325,9 +1325,7 @@ def _encode_groups(ranks, classes, zigzag, counts, changed, quantized, sizes):
             coded = counts[group] - k if 2 * k > counts[group] else k
             shift = _gap_shift(counts[group], coded) if coded else 0
             escapes = min(coded, counts[group] // (_TOPS << shift))
-            capacity += coded * (1 + _chunks(shift)) + k + 4 * escapes
-    for c in classes:
-        capacity += c >= _DIRECT_CLASSES
+            capacity += coded * (1 + _chunks(shift)) + 2 * k + 4 * escapes
     starts = np.empty(capacity, np.int32)
     freqs = np.empty(capacity, np.int32)
     scales = np.empty(capacity, np.int8)
@@ -1370,9 +1368,11 @@ def _encode_groups(ranks, classes, zigzag, counts, changed, quantized, sizes):
             widths[e] = _bit_length_less_one(excess[e])
             at = _put(starts, freqs, scales, at, widths[e], 1, 6)
         at = _put_chunks(starts, freqs, scales, at, excess, widths)
-        wide = group_classes >= _DIRECT_CLASSES
-        wide_widths = group_classes[wide].astype(np.int64) - 12
-        at = _put_chunks(starts, freqs, scales, at, group_zigzag[wide].astype(np.int64), wide_widths)
+        # A wide value has at most 15 bits below its leading one: one chunk, in the changes' order.
+        for j in range(k):
+            if group_classes[j] >= _DIRECT_CLASSES:
+                width = np.int64(group_classes[j]) - 12
+                at = _put(starts, freqs, scales, at, np.int64(group_zigzag[j]) & ((np.int64(1) << width) - 1), 1, width)
     return rans.encode(starts[:at], freqs[:at], scales[:at], _lanes(changed))
 
 
@@ -1537,16 +1537,13 @@ def _decode_group(ctx, words, count, k, quantized, ranks, zigzag):
         if tops[j] == _TOPS:
             tops[j] = excess[e] + _TOPS - 1
             e += 1
-    wide = classes >= _DIRECT_CLASSES
-    wide_values = np.zeros(wide.sum(), np.int64)
-    error = _decode_chunks(ctx, words, classes[wide] - 12, wide_values)
-    if error != rans.OK:
-        return error
-    w = 0
-    for j in range(k):
-        if wide[j]:
-            zigzag[j] = np.uint16(wide_values[w])
-            w += 1
+    for j in range(k):  # a wide value's bits below its leading one: one chunk (at most 15 bits)
+        if classes[j] >= _DIRECT_CLASSES:
+            width = classes[j] - 12
+            value = rans.decode_bits(ctx, words, width)
+            if value < 0:
+                return -value
+            zigzag[j] = np.uint16(value | (np.int64(1) << width))
         else:
             zigzag[j] = np.uint16(classes[j])
     return _ranks_of(tops, lows, shift, count, complement, ranks)
