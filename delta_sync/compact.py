@@ -128,6 +128,13 @@ _CHUNK_BITS = 16
 # information of more would not pay for itself.
 _MIN_GROUPED_NUMEL = 4096
 _MIN_GROUPED_CHANGES = 256
+# What a tensor costs the decoder, to share the tensors out among threads evenly: a change
+# costs about as much as this many elements of the pass over the tensor (on the benchmark's
+# training streams, about 0.2 ns per element and 40-50 ns per change), and a stream holds
+# about this many changes per byte (0.4-0.8 bytes per change). The encoder shares them out
+# by their changes alone, which balanced it as well on those streams.
+_CHANGE_WORK = 200
+_CHANGES_PER_BYTE = 2
 # Tensors with fewer changes code with one coder state rather than `rans.LANES`.
 _MIN_LANED_CHANGES = 16384
 # At most this many exponent atoms enter the search for group boundaries (coarsened beyond).
@@ -244,16 +251,25 @@ def decode_changes(
                 f"{source}: {name!r} is held as {held.dtype} {tuple(held.shape)}, the delta is for bfloat16 {tuple(shape)}"
             )
     decoded: dict[str, SparseChange] = {}
-    shares = _shares(shapes, lambda name: math.prod(shapes[name]))
+    shares = _shares(
+        shapes, lambda name: _work(math.prod(shapes[name]), _CHANGES_PER_BYTE * entries[name + SUFFIX].numel())
+    )
     for part in parallel_map(lambda names: _decode_batch(names, entries, previous, source), shares):
         decoded.update(part)
     return {name: decoded[name] for name in sorted(shapes)}
 
 
+def _work(numel: int, changes: int) -> int:
+    """The decoder's work on one tensor, in elements of a pass over it: a tensor coded in
+    one group is not passed over, and each change costs about `_CHANGE_WORK` elements."""
+    grouped = numel >= _MIN_GROUPED_NUMEL and changes >= _MIN_GROUPED_CHANGES
+    return (numel if grouped else 0) + _CHANGE_WORK * changes
+
+
 def _shares(names: Iterable[str], size: Callable[[str], int]) -> list[list[str]]:
-    """The names split into one share per thread of similar total size (largest first, each
-    to the least loaded share): each share is one compiled call, which returns to Python
-    (and so waits for the GIL) once for all its tensors."""
+    """The names split into one share per thread of similar total `size` (largest first,
+    each to the least loaded share): each share is one compiled call, which returns to
+    Python (and so waits for the GIL) once for all its tensors."""
     shares: list[list[str]] = [[] for _ in range(thread_count())]
     loads = [0] * len(shares)
     for name in sorted(names, key=lambda name: (-size(name), name)):

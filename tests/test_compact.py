@@ -15,6 +15,7 @@ from delta_sync.bitmasks import FAST_BIT_GATHER
 from delta_sync.compact import ENCODING, SUFFIX, decode_changes, encode_changes, entry_names
 from delta_sync.errors import ApplyError, FormatError
 from delta_sync.format import SparseChange, index_dtype
+from delta_sync.parallel import THREADS_ENV
 
 from conftest import TwoTower, train_step
 
@@ -330,6 +331,18 @@ def test_round_trip_many_seeds():
         if numel % 4 == 0:
             previous = previous.reshape(4, numel // 4)
         round_trip({f"p{seed}": random_change(generator, previous, density, values)}, {f"p{seed}": previous})
+
+
+def test_threads_share_out_the_tensors_by_the_decoders_work_on_them(monkeypatch):
+    # The changes weigh most: an output layer with most of a step's changes gets a thread of
+    # its own, where sharing by size alone would add half of the layers to it.
+    monkeypatch.setenv(THREADS_ENV, "2")
+    numel = {"lm_head": 8 << 20, "embed": 8 << 20, **{f"layer{i}": 1 << 20 for i in range(8)}}
+    changes = {"lm_head": 300_000, "embed": 2_000, **{f"layer{i}": 25_000 for i in range(8)}}
+    shares = compact._shares(numel, lambda name: compact._work(numel[name], changes[name]))
+    assert sorted(map(sorted, shares)) == [["embed", *sorted(f"layer{i}" for i in range(8))], ["lm_head"]]
+    # A tensor coded in one group is never passed over: only its changes count.
+    assert compact._work(1 << 20, 100) == 100 * compact._CHANGE_WORK
 
 
 def test_nothing_changed_and_several_tensors():
