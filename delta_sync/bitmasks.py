@@ -14,8 +14,9 @@ elements from `start` without bounds checks.
 Example:
     ```python
     >>> @numba.njit
-    ... def count_at_least(bits, threshold):
-    ...     return sum(popcount(at_least(bits, start, threshold)) for start in range(0, bits.size - 63, 64))
+    ... def count_at_least(bits, exponent):
+    ...     limits = (np.int16((exponent << 7) - 1),)
+    ...     return sum(popcount(above(bits, start, limits)[0]) for start in range(0, bits.size - 63, 64))
     ```
 """
 
@@ -26,7 +27,7 @@ from llvmlite import binding, ir
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["FAST_BIT_GATHER", "LANES", "at_least", "deposit", "differ", "differ_rounded", "popcount"]
+__all__ = ["FAST_BIT_GATHER", "LANES", "above", "deposit", "differ", "differ_rounded", "popcount"]
 
 #: Elements compared per mask.
 LANES = 64
@@ -60,21 +61,24 @@ def _to_mask(builder, lanes):
 
 
 @intrinsic
-def at_least(typingctx, bits, start, threshold):
-    """Bit `k` set where the magnitude of bf16 element `start + k` (its bits with the sign
-    cleared) is at least `threshold` (an int16 from 1 to 0x7FFF): with `threshold =
-    exponent << 7`, where its exponent is at least `exponent`."""
-    if not _contiguous(bits):
+def above(typingctx, bits, start, limits):
+    """Per limit in the tuple `limits` (int16s from 0 to 0x7FFF), the mask of the 64 bf16
+    elements from `start` whose magnitude (bits with the sign cleared) is above it: with
+    `limit = (exponent << 7) - 1`, those whose exponent is at least `exponent`; a limit of
+    0x7FFF marks none. The elements are read once for all the limits."""
+    if not _contiguous(bits) or not (isinstance(limits, types.UniTuple) and limits.dtype == types.int16):
         return None
-    signature = types.uint64(bits, types.intp, types.int16)
+    signature = types.UniTuple(types.uint64, limits.count)(bits, types.intp, limits)
 
     def codegen(context, builder, sig, args):
         magnitudes = builder.and_(
             _load(context, builder, sig.args[0], args[0], args[1]), ir.Constant(_VECTOR, [0x7FFF] * LANES)
         )
-        # Both sides are non-negative int16: `>= t` is `> t - 1`, one signed compare.
-        below = _splat(builder, builder.sub(args[2], ir.Constant(ir.IntType(16), 1)))
-        return _to_mask(builder, builder.icmp_signed(">", magnitudes, below))
+        masks = [
+            _to_mask(builder, builder.icmp_signed(">", magnitudes, _splat(builder, builder.extract_value(args[2], i))))
+            for i in range(limits.count)
+        ]
+        return context.make_tuple(builder, sig.return_type, masks)
 
     return signature, codegen
 

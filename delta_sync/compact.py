@@ -98,8 +98,7 @@ from numba.cpython.unsafe.numbers import trailing_zeros
 
 from . import rans
 from .addresses import address_of, on_host, view
-from .bitmasks import FAST_BIT_GATHER, LANES, deposit, popcount
-from .bitmasks import at_least as at_least_mask
+from .bitmasks import FAST_BIT_GATHER, LANES, above, deposit, popcount
 from .changes import Encoding, SparseChange, index_dtype
 from .errors import ApplyError, FormatError
 from .parallel import parallel_map, thread_count
@@ -115,7 +114,8 @@ _VERSION = 4
 # Version 3 is read too: the same layout without the group sizes, which the decoder counts.
 _READ_VERSIONS = (3, 4)
 # Each group boundary costs a pass over the tensor on both sides; 8 groups keep all but ~1%
-# of the gain of one group per exponent on real training streams.
+# of the gain of one group per exponent on real training streams. (`_limits` spells out the
+# 7 edges between them.)
 _MAX_GROUPS = 8
 # Top of the gap alphabet: a gap's high part is coded directly below this, escaped above.
 _TOPS = 64
@@ -479,7 +479,7 @@ def _rank_changes(bits, boundaries, indices, old_bits, classes, zigzag, changed,
     `bits` is the previous tensor, except that at the changed positions the old values
     come from `old_bits`; `changed` holds the changes per group. Per 64 elements, one mask
     per group boundary marks the elements whose exponent is at least the boundary (a
-    vector compare, [`delta_sync.bitmasks.at_least`]); the members of group `g` before a
+    vector compare, [`delta_sync.bitmasks.above`]); the members of group `g` before a
     position are those at least its lower boundary less those at least its upper one, so
     a change's rank is two `popcount`s of its masks below it plus the counts before its
     64 elements.
@@ -497,28 +497,32 @@ def _rank_changes(bits, boundaries, indices, old_bits, classes, zigzag, changed,
     # none. `at_least[e]`: elements before the current 64 whose old exponent is at least
     # edge e. The masks see the tensor as it is (new values at the changed positions), so
     # a change that moved an element across an edge corrects the count once it is seen.
-    thresholds = _thresholds(boundaries)
-    at_least = np.zeros(groups + 1, np.int64)
-    masks = _edge_masks(groups)
+    limits = _limits(boundaries)
+    # Every edge of `_MAX_GROUPS` groups: those past the last group count no element, and a
+    # loop of known length over them compiles to straight-line code.
+    at_least = np.zeros(_MAX_GROUPS + 1, np.int64)
+    masks = _edge_masks()
     whole = numel - numel % LANES
     j = 0
     for start in range(0, whole, LANES):
         at_least[0] = start
-        _mask_edges(bits, start, thresholds, masks)
-        while j < indices.size and indices[j] < start + LANES:
-            i = np.int64(indices[j])
+        _mask_edges(bits, start, limits, masks)
+        # Unsigned indices below: numba checks a signed one for a negative value on every access.
+        while j < indices.size and indices[np.uint64(j)] < start + LANES:
+            change = np.uint64(j)
+            i = np.int64(indices[change])
             below = (np.uint64(1) << np.uint64(i - start)) - np.uint64(1)
-            old = (old_bits[j] >> 7) & 0xFF
+            old = (old_bits[change] >> 7) & 0xFF
             group = group_of[old]
             lower = at_least[group] + np.int64(popcount(masks[group] & below))
             upper = at_least[group + 1] + np.int64(popcount(masks[group + 1] & below))
-            _place(j, group, lower - upper, slots, ranks, classes, zigzag, sorted_classes, sorted_zigzag)
-            new = (bits[i] >> 7) & 0xFF
+            _place(change, group, lower - upper, slots, ranks, classes, zigzag, sorted_classes, sorted_zigzag)
+            new = (bits[np.uint64(i)] >> 7) & 0xFF
             if new != old:
                 for edge in range(1, groups):
                     at_least[edge] += np.int64(old >= boundaries[edge - 1]) - np.int64(new >= boundaries[edge - 1])
             j += 1
-        for edge in range(1, groups):
+        for edge in range(1, _MAX_GROUPS):
             at_least[edge] += np.int64(popcount(masks[edge]))
     for i in range(whole, numel):  # the last elements, fewer than 64: one at a time
         at_least[0] = i
@@ -542,9 +546,10 @@ def _rank_changes(bits, boundaries, indices, old_bits, classes, zigzag, changed,
 def _place(j, group, rank, slots, ranks, classes, zigzag, sorted_classes, sorted_zigzag):
     """Put change `j`, of `rank` in `group`, in the group's next slot."""
     slot = slots[group]
-    ranks[slot] = rank
-    sorted_classes[slot] = classes[j]
-    sorted_zigzag[slot] = zigzag[j]
+    at = np.uint64(slot)
+    ranks[at] = rank
+    sorted_classes[at] = classes[j]
+    sorted_zigzag[at] = zigzag[j]
     slots[group] = slot + 1
 
 
@@ -742,11 +747,13 @@ def _group_counts(bits, boundaries):
     groups = boundaries.size + 1
     group_of = _group_table(boundaries)
     at_least = np.zeros(groups + 1, np.int64)  # per edge, as in `_rank_changes`
-    thresholds = _thresholds(boundaries)
+    limits = _limits(boundaries)
+    masks = _edge_masks()
     whole = bits.size - bits.size % LANES
     for start in range(0, whole, LANES):
+        _mask_edges(bits, start, limits, masks)
         for edge in range(1, groups):
-            at_least[edge] += np.int64(popcount(at_least_mask(bits, start, thresholds[edge])))
+            at_least[edge] += np.int64(popcount(masks[edge]))
     at_least[0] = whole
     counts = np.empty(groups, np.int64)
     for group in range(groups):
@@ -776,15 +783,15 @@ def _select(bits, boundaries, ranks, starts, ends, counts):
     group_of = _group_table(boundaries)
     positions = np.empty(ranks.size, np.int64)
     sources = np.empty(ranks.size, np.int64)
-    thresholds = _thresholds(boundaries)
-    masks = _edge_masks(groups)
+    limits = _limits(boundaries)
+    masks = _edge_masks()
     following = starts.copy()
     members = np.zeros(groups, np.int64)  # members of each group before the current 64
     source_at = np.empty(LANES, np.int64)  # for each element found here, its index into `ranks`
     found = 0
     whole = bits.size - bits.size % LANES
     for start in range(0, whole, LANES):
-        _mask_edges(bits, start, thresholds, masks)
+        _mask_edges(bits, start, limits, masks)
         hits = np.uint64(0)
         for group in range(groups):
             mine = masks[group] & ~masks[group + 1]
@@ -849,27 +856,30 @@ def _select_by_deposit(bits, boundaries, ranks, starts, ends, counts):
     positions = np.empty(ranks.size, np.int64)
     sources = np.empty(ranks.size, np.int64)
     group_of = _group_table(boundaries)
-    thresholds = _thresholds(boundaries)
-    masks = _edge_masks(groups)
+    limits = _limits(boundaries)
+    masks = _edge_masks()
     following = starts.copy()
     at = bases[:groups].copy()  # each group's bit for its next member
     found = 0
     whole = bits.size - bits.size % LANES
     for start in range(0, whole, LANES):
-        _mask_edges(bits, start, thresholds, masks)
+        _mask_edges(bits, start, limits, masks)
         hits = np.uint64(0)
         for group in range(groups):
             mine = masks[group] & ~masks[group + 1]
-            word, offset = min(at[group] >> 6, last), np.uint64(at[group] & 63)
+            bit = at[group]
+            # Unsigned indices: numba checks a signed one for a negative value on every access.
+            word, offset = np.uint64(min(bit >> 6, last)), np.uint64(bit & 63)
             # The 64 bits from `at`; `<< 1 << (63 - offset)` is `<< (64 - offset)`, 0 at offset 0.
-            wanted = (words[word] >> offset) | ((words[word + 1] << np.uint64(1)) << (np.uint64(63) - offset))
+            after = words[word + np.uint64(1)]
+            wanted = (words[word] >> offset) | ((after << np.uint64(1)) << (np.uint64(63) - offset))
             hits |= deposit(wanted, mine)
-            at[group] += np.int64(popcount(mine))
+            at[group] = bit + np.int64(popcount(mine))
         while hits and found < ranks.size:
             i = start + trailing_zeros(hits)
             group = group_of[(bits[i] >> 7) & 0xFF]
-            positions[found] = i
-            sources[found] = following[group]
+            positions[np.uint64(found)] = i
+            sources[np.uint64(found)] = following[group]
             following[group] += 1
             found += 1
             hits &= hits - np.uint64(1)
@@ -890,20 +900,21 @@ _select_members = _select_by_deposit if FAST_BIT_GATHER else _select
 
 
 @numba.njit(inline="always")
-def _edge_masks(groups):
-    """Per edge of `groups` groups (the lower boundary of each, and one past the last), the
-    mask of the 64 current elements whose exponent is at least it: edge 0 holds every
-    element, edge `groups` none; [`_mask_edges`] sets the others."""
-    masks = np.zeros(groups + 1, np.uint64)
+def _edge_masks():
+    """Per edge (the lower boundary of each group, and one past the last of `_MAX_GROUPS`),
+    the mask of the 64 current elements whose exponent is at least it: edge 0 holds every
+    element, the edges from the last group's upper one on none; [`_mask_edges`] sets the others."""
+    masks = np.zeros(_MAX_GROUPS + 1, np.uint64)
     masks[0] = ~np.uint64(0)
     return masks
 
 
 @numba.njit(inline="always")
-def _mask_edges(bits, start, thresholds, masks):
-    """The [`_edge_masks`] of the 64 elements from `start`, one vector compare per edge."""
-    for edge in range(1, masks.size - 1):
-        masks[edge] = at_least_mask(bits, start, thresholds[edge])
+def _mask_edges(bits, start, limits, masks):
+    """The [`_edge_masks`] of the 64 elements from `start`, from one read of them."""
+    found = above(bits, start, limits)
+    for edge in range(1, _MAX_GROUPS):
+        masks[edge] = found[edge - 1]
 
 
 @numba.njit(inline="always")
@@ -919,13 +930,14 @@ def _group_table(boundaries):
 
 
 @numba.njit(inline="always")
-def _thresholds(boundaries):
-    """Per edge (the lower boundary of each group, and one past the last), the magnitude
-    `exponent << 7` that [`at_least_mask`] compares with; unused at the first and last."""
-    thresholds = np.zeros(boundaries.size + 2, np.int16)
-    for edge in range(1, boundaries.size + 1):
-        thresholds[edge] = np.int16(boundaries[edge - 1] << 7)
-    return thresholds
+def _limits(boundaries):
+    """Per edge from 1 to `_MAX_GROUPS - 1`, the magnitude that [`above`] compares with:
+    `(exponent << 7) - 1` for the lower boundary of each group but the first, and 0x7FFF
+    (no element) for edges past the last group."""
+    limits = np.full(_MAX_GROUPS - 1, 0x7FFF, np.int16)
+    for edge in range(boundaries.size):
+        limits[edge] = np.int16((boundaries[edge] << 7) - 1)
+    return (limits[0], limits[1], limits[2], limits[3], limits[4], limits[5], limits[6])
 
 
 # -- header ----------------------------------------------------------------------------------

@@ -234,22 +234,46 @@ def encode(starts: np.ndarray, freqs: np.ndarray, scales: np.ndarray, lanes: int
     Returns:
         uint32 words (the layout in the module's docstring).
     """
-    count = starts.size
     # Each symbol emits at most one word (a state below 2^63 shifted once is below 2^31).
-    out = np.empty(count + 2 * lanes, np.uint32)
-    at = out.size
+    out = np.empty(starts.size + 2 * lanes, np.uint32)
+    # One loop per lane count, each compiled with its count as a constant: the rotation of
+    # the states is then register moves, not a branch per symbol.
+    if lanes == 4:
+        at, a, b, c, d = _encode_symbols(starts, freqs, scales, out, 4)
+    elif lanes == 3:
+        at, a, b, c, d = _encode_symbols(starts, freqs, scales, out, 3)
+    elif lanes == 2:
+        at, a, b, c, d = _encode_symbols(starts, freqs, scales, out, 2)
+    else:
+        at, a, b, c, d = _encode_symbols(starts, freqs, scales, out, 1)
+    states = (a, b, c, d)  # now those of lanes `lanes - 1`, `lanes - 2`, ...
+    for lane in range(lanes):
+        at -= 2
+        out[at] = np.uint32(states[lane] & _WORD_MASK)
+        out[at + 1] = np.uint32(states[lane] >> np.int64(32))
+    return out[at:].copy()
+
+
+@numba.njit(inline="always")
+def _encode_symbols(starts, freqs, scales, out, lanes):
+    """`(at, a, b, c, d)`: every symbol coded, last to first, into the words of `out` below
+    its end, from `at` on; the lanes' final states, that of lane `lanes - 1` first."""
+    count = starts.size
+    # Unsigned indices: numba checks a signed one for a negative value on every access.
+    at = np.uint64(out.size)
     # The lanes' states in registers, `a` that of the next symbol's lane (symbol i's is
     # i % lanes; they go last to first, so the lanes after it are those below). All start
     # at _LOW, so which is which needs no setting up.
     a = b = c = d = _LOW
-    for i in range(count - 1, -1, -1):
+    for k in range(count):
+        i = np.uint64(count - 1 - k)
         freq = np.int64(freqs[i])
         scale = np.int64(scales[i])
         # state >= ((2^31 >> scale) << 32) * freq, which would overflow where freq == 2^scale.
         # The word is written whether or not it is emitted: an unemitted one is overwritten.
         emit = (a >> np.int64(32)) >= (_LOW >> scale) * freq
-        out[at - 1] = np.uint32(a & _WORD_MASK)
-        at -= np.int64(emit)
+        out[at - np.uint64(1)] = np.uint32(a & _WORD_MASK)
+        at -= np.uint64(emit)
         state = (a >> np.int64(32)) if emit else a
         if freq == 1:  # raw bits: no division
             a = (state << scale) + starts[i]
@@ -257,12 +281,7 @@ def encode(starts: np.ndarray, freqs: np.ndarray, scales: np.ndarray, lanes: int
             quotient, remainder = _divide(state, freq, scale)
             a = (quotient << scale) + remainder + starts[i]
         a, b, c, d = _rotate(a, b, c, d, lanes)
-    states = (a, b, c, d)  # now those of lanes `lanes - 1`, `lanes - 2`, ...
-    for lane in range(lanes):
-        at -= 2
-        out[at] = np.uint32(states[lane] & _WORD_MASK)
-        out[at + 1] = np.uint32(states[lane] >> np.int64(32))
-    return out[at:].copy()
+    return np.int64(at), a, b, c, d
 
 
 # -- decoder ---------------------------------------------------------------------------------
@@ -313,49 +332,47 @@ def lookup(table: np.ndarray) -> np.ndarray:
     return starts
 
 
+# The decoder's steps take scalars only: the run decoders below index the arrays themselves.
+# An array handed to a compiled helper inside a loop is reference-counted at each call (two
+# atomic operations a symbol, which doubled the time of a run where numba could not prune them).
+
+
 @numba.njit(inline="always")
-def _renormalize(state, at, words):
-    """`(state, at, overrun)`: the state with the next word read in if it fell below `2^31`.
+def _refill(state, at, word, size):
+    """`(state, at, overrun)`: the state with `word`, the stream's word at `at` (of `size`;
+    its last word if `at` is past the end), read in if the state fell below `2^31`.
 
     Without a branch on the data (whether a state needs a word is a coin toss per symbol,
-    which a CPU mispredicts half the time): the word is read in any case, at an index kept
-    inside the stream, and `overrun` is set where the stream had no word left to give."""
+    which a CPU mispredicts half the time): the caller reads the word in any case, at an
+    index kept inside the stream, and `overrun` is set where the stream had no word left to give."""
     need = state < _LOW
-    word = np.int64(words[min(at, words.size - 1)])
-    overrun = need and at >= words.size
-    state = ((state << np.int64(32)) | word) if need else state
+    overrun = need and at >= size
+    state = ((state << np.int64(32)) | np.int64(word)) if need else state
     return state, at + np.int64(need), overrun
 
 
 @numba.njit(inline="always")
-def _table_step(state, at, words, table, starts):
-    """`(symbol, state, at, overrun)`: one symbol coded with the [`cumulative`] `table` (trusted)."""
-    slot = state & ((np.int64(1) << np.int64(PRECISION)) - 1)
-    # The symbol s with table[s] <= slot < table[s + 1]: zero frequencies are never found.
-    symbol = np.int64(starts[slot >> np.int64(PRECISION - LOOKUP_BITS)])
-    while table[symbol + 1] <= slot:
-        symbol += 1
-    low = table[symbol]
-    # state >> PRECISION < 2^(63 - PRECISION) and slot - low < freq <= 2^PRECISION: no
-    # overflow, and the result is at least 1, so one word brings it back to [2^31, 2^63).
-    state = (table[symbol + 1] - low) * (state >> np.int64(PRECISION)) + slot - low
-    state, at, overrun = _renormalize(state, at, words)
-    return symbol, state, at, overrun
+def _table_state(state, slot, low, high):
+    """The state before the symbol whose range `[low, high)` holds `slot`, the state's low
+    `PRECISION` bits.
+
+    state >> PRECISION < 2^(63 - PRECISION) and slot - low < freq <= 2^PRECISION: no
+    overflow, and the result is at least 1, so one word brings it back to [2^31, 2^63)."""
+    return (high - low) * (state >> np.int64(PRECISION)) + slot - low
 
 
-@numba.njit(inline="always")
-def _bits_step(state, at, words, width):
-    """`(value, state, at, overrun)`: one raw value of `width` bits (0 to `MAX_RAW_BITS`)."""
-    value = state & ((np.int64(1) << width) - np.int64(1))
-    state, at, overrun = _renormalize(state >> width, at, words)
-    return value, state, at, overrun
+_SLOT_MASK = (np.int64(1) << np.int64(PRECISION)) - np.int64(1)
+_LOOKUP_SHIFT = np.int64(PRECISION - LOOKUP_BITS)
 
 
 # The run decoders below keep the lanes' states in local variables (registers) for a whole
 # run of symbols rather than in `ctx` per symbol, where each symbol's state would wait on
 # the store of the one before. A run is `(a, b, c, d, at, overrun)`: `a` the state of the
 # next symbol's lane, `b`, `c`, `d` those of the lanes after it (rotated after every
-# symbol), the next word, and whether the stream ran out of words.
+# symbol), the next word, and whether the stream ran out of words. A table symbol is the
+# `s` with `table[s] <= slot < table[s + 1]`, searched up from `starts[slot >> _LOOKUP_SHIFT]`
+# (zero frequencies are never found); indices are unsigned, which numba does not check
+# for a negative value on every access.
 
 
 @numba.njit(inline="always")
@@ -370,24 +387,6 @@ def _start_run(ctx):
         ctx[_WORD],
         False,
     )
-
-
-@numba.njit(inline="always")
-def _run_symbol(run, words, table, starts, lanes):
-    """`(symbol, run)`: the run's next symbol, coded with the [`cumulative`] `table`."""
-    a, b, c, d, at, overrun = run
-    symbol, a, at, bad = _table_step(a, at, words, table, starts)
-    a, b, c, d = _rotate(a, b, c, d, lanes)
-    return symbol, (a, b, c, d, at, overrun or bad)
-
-
-@numba.njit(inline="always")
-def _run_bits(run, words, width, lanes):
-    """`(value, run)`: the run's next raw value of `width` bits."""
-    a, b, c, d, at, overrun = run
-    value, a, at, bad = _bits_step(a, at, words, width)
-    a, b, c, d = _rotate(a, b, c, d, lanes)
-    return value, (a, b, c, d, at, overrun or bad)
 
 
 @numba.njit(inline="always")
@@ -410,11 +409,27 @@ def _end_run(ctx, run, decoded):
 def decode_symbols(ctx: np.ndarray, words: np.ndarray, table: np.ndarray, starts: np.ndarray, out: np.ndarray) -> int:
     """Decode `out.size` symbols coded with the [`cumulative`] `table` (trusted: built by this
     module), whose [`lookup`] is `starts`, into `out`: an error code."""
-    lanes = ctx[_LANES]
-    run = _start_run(ctx)
+    # The laned streams, compiled with their lane count as a constant (see [`encode`]).
+    if ctx[_LANES] == LANES:
+        return _decode_symbols(ctx, words, table, starts, out, LANES)
+    return _decode_symbols(ctx, words, table, starts, out, ctx[_LANES])
+
+
+@numba.njit(inline="always")
+def _decode_symbols(ctx, words, table, starts, out, lanes):
+    a, b, c, d, at, overrun = _start_run(ctx)
+    last = words.size - 1
     for i in range(out.size):
-        out[i], run = _run_symbol(run, words, table, starts, lanes)
-    return _end_run(ctx, run, out.size)
+        slot = a & _SLOT_MASK
+        symbol = np.int64(starts[slot >> _LOOKUP_SHIFT])
+        while table[np.uint64(symbol + 1)] <= slot:
+            symbol += 1
+        a = _table_state(a, slot, table[np.uint64(symbol)], table[np.uint64(symbol + 1)])
+        a, at, bad = _refill(a, at, words[np.uint64(min(at, last))], words.size)
+        overrun |= bad
+        out[i] = symbol
+        a, b, c, d = _rotate(a, b, c, d, lanes)
+    return _end_run(ctx, (a, b, c, d, at, overrun), out.size)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -431,12 +446,35 @@ def decode_pairs(
     """Decode `first_out.size` pairs of symbols, coded alternately with the [`cumulative`]
     tables `first` and `second` (trusted, with their [`lookup`]s), into `first_out` and
     `second_out`: an error code."""
-    lanes = ctx[_LANES]
-    run = _start_run(ctx)
+    if ctx[_LANES] == LANES:
+        return _decode_pairs(ctx, words, first, first_starts, second, second_starts, first_out, second_out, LANES)
+    return _decode_pairs(ctx, words, first, first_starts, second, second_starts, first_out, second_out, ctx[_LANES])
+
+
+@numba.njit(inline="always")
+def _decode_pairs(ctx, words, first, first_starts, second, second_starts, first_out, second_out, lanes):
+    a, b, c, d, at, overrun = _start_run(ctx)
+    last = words.size - 1
     for i in range(first_out.size):
-        first_out[i], run = _run_symbol(run, words, first, first_starts, lanes)
-        second_out[i], run = _run_symbol(run, words, second, second_starts, lanes)
-    return _end_run(ctx, run, 2 * first_out.size)
+        slot = a & _SLOT_MASK
+        symbol = np.int64(first_starts[slot >> _LOOKUP_SHIFT])
+        while first[np.uint64(symbol + 1)] <= slot:
+            symbol += 1
+        a = _table_state(a, slot, first[np.uint64(symbol)], first[np.uint64(symbol + 1)])
+        a, at, bad = _refill(a, at, words[np.uint64(min(at, last))], words.size)
+        overrun |= bad
+        first_out[i] = symbol
+        a, b, c, d = _rotate(a, b, c, d, lanes)
+        slot = a & _SLOT_MASK
+        symbol = np.int64(second_starts[slot >> _LOOKUP_SHIFT])
+        while second[np.uint64(symbol + 1)] <= slot:
+            symbol += 1
+        a = _table_state(a, slot, second[np.uint64(symbol)], second[np.uint64(symbol + 1)])
+        a, at, bad = _refill(a, at, words[np.uint64(min(at, last))], words.size)
+        overrun |= bad
+        second_out[i] = symbol
+        a, b, c, d = _rotate(a, b, c, d, lanes)
+    return _end_run(ctx, (a, b, c, d, at, overrun), 2 * first_out.size)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -445,12 +483,22 @@ def decode_bit_run(ctx: np.ndarray, words: np.ndarray, width: int, count: int, o
     shifted left by `shift` into `out[i]`: an error code."""
     if width < 0 or width > MAX_RAW_BITS:
         return BAD_TABLE
-    lanes = ctx[_LANES]
-    run = _start_run(ctx)
+    if ctx[_LANES] == LANES:
+        return _decode_bit_run(ctx, words, np.int64(width), count, out, shift, LANES)
+    return _decode_bit_run(ctx, words, np.int64(width), count, out, shift, ctx[_LANES])
+
+
+@numba.njit(inline="always")
+def _decode_bit_run(ctx, words, width, count, out, shift, lanes):
+    a, b, c, d, at, overrun = _start_run(ctx)
+    last = words.size - 1
+    mask = (np.int64(1) << width) - np.int64(1)
     for i in range(count):
-        value, run = _run_bits(run, words, np.int64(width), lanes)
-        out[i] |= value << shift
-    return _end_run(ctx, run, count)
+        out[i] |= (a & mask) << shift
+        a, at, bad = _refill(a >> width, at, words[np.uint64(min(at, last))], words.size)
+        overrun |= bad
+        a, b, c, d = _rotate(a, b, c, d, lanes)
+    return _end_run(ctx, (a, b, c, d, at, overrun), count)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -459,7 +507,9 @@ def decode_bits(ctx: np.ndarray, words: np.ndarray, width: int) -> int:
     if width < 0 or width > MAX_RAW_BITS:
         return -BAD_TABLE
     lane = ctx[_LANE]
-    value, state, at, overrun = _bits_step(ctx[_STATES + lane], ctx[_WORD], words, np.int64(width))
+    state, at = ctx[_STATES + lane], ctx[_WORD]
+    value = state & ((np.int64(1) << width) - np.int64(1))
+    state, at, overrun = _refill(state >> width, at, words[np.uint64(min(at, words.size - 1))], words.size)
     if overrun:
         return -ENDS_EARLY
     ctx[_STATES + lane] = state

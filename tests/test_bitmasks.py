@@ -7,14 +7,21 @@ import numpy as np
 import pytest
 import torch
 
-from delta_sync.bitmasks import LANES, at_least, differ, differ_rounded, popcount
+from delta_sync.bitmasks import LANES, above, differ, differ_rounded, popcount
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @numba.njit
-def at_least_masks(bits, threshold):
-    return np.array([at_least(bits, start, threshold) for start in range(0, bits.size - LANES + 1, LANES)])
+def above_masks(bits, limits):
+    """Per limit, a row of the masks of every 64 elements."""
+    starts = range(0, bits.size - LANES + 1, LANES)
+    masks = np.empty((len(limits), len(starts)), np.uint64)
+    for column, start in enumerate(starts):
+        found = above(bits, start, limits)
+        for row in range(len(limits)):
+            masks[row, column] = found[row]
+    return masks
 
 
 @numba.njit
@@ -47,12 +54,14 @@ def every_bit_pattern(offset: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("offset", [0, 1, 3])
-@pytest.mark.parametrize("exponent", [1, 100, 117, 127, 200, 255])
-def test_at_least_marks_the_magnitudes_at_least_the_threshold(offset, exponent):
+def test_above_marks_the_magnitudes_above_each_limit_from_one_read(offset):
     bits = every_bit_pattern(offset)
-    threshold = np.int16(exponent << 7)
-    expected = packed((bits.astype(np.int32) & 0x7FFF) >= int(threshold))
-    assert np.array_equal(at_least_masks(bits, threshold), expected)
+    # Exponent boundaries (`(exponent << 7) - 1`), any magnitude, and 0x7FFF, which marks none.
+    limits = tuple(np.int16(limit) for limit in (127, (100 << 7) - 1, (117 << 7) - 1, 16300, (255 << 7) - 1, 0, 0x7FFF))
+    masks = above_masks(bits, limits)
+    for row, limit in enumerate(limits):
+        assert np.array_equal(masks[row], packed((bits.astype(np.int32) & 0x7FFF) > int(limit))), limit
+    assert not masks[-1].any()
 
 
 @pytest.mark.parametrize("offset", [0, 2])
@@ -98,7 +107,7 @@ def test_popcount_counts_set_bits():
 
 def test_a_strided_array_is_refused_at_compile_time():
     bits = np.arange(256, dtype=np.int16)[::2]
-    with pytest.raises(numba.TypingError, match=r"at_least\(array\(int16, 1d, A\)"):  # A: any layout, strided
-        at_least_masks(bits, np.int16(128))
+    with pytest.raises(numba.TypingError, match=r"above\(array\(int16, 1d, A\)"):  # A: any layout, strided
+        above_masks(bits, (np.int16(127),))
     with pytest.raises(numba.TypingError, match=r"differ_rounded\(array\(int32, 1d, A\)"):
         differ_rounded_masks(np.arange(256, dtype=np.int32)[::2], bits, np.int16(-1))
