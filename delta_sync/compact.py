@@ -724,9 +724,10 @@ def _decode_tensor(words, bits, boundaries, claimed, changed, quantized, sizes, 
         return error, 0, 0
     if counts.size == 1:
         positions = ranks
+        held = bits[positions]
     else:
         ends = np.cumsum(changed)
-        positions, sources, found = _select_members(bits, boundaries, ranks, ends - changed, ends, counts)
+        positions, sources, held, found = _select_members(bits, boundaries, ranks, ends - changed, ends, counts)
         for group in range(counts.size):
             if found[group] != counts[group]:
                 return _WRONG_SIZES, group, found[group]
@@ -737,7 +738,7 @@ def _decode_tensor(words, bits, boundaries, claimed, changed, quantized, sizes, 
         code = np.int32(zigzag[j])
         positions_out[j] = positions[j]
         # The signed difference of the bit patterns, added as the encoder took it: wrapping.
-        values_out[j] = np.int16(np.int32(bits[positions[j]]) + ((code >> 1) ^ -(code & 1)))
+        values_out[j] = np.int16(np.int32(held[j]) + ((code >> 1) ^ -(code & 1)))
     return rans.OK, 0, 0
 
 
@@ -769,9 +770,10 @@ def _select(bits, boundaries, ranks, starts, ends, counts):
 
     `ranks[starts[g]:ends[g]]` are group `g`'s, ascending and each below its size
     (`counts[g]`, as the header claims it: unused here, see [`_select_by_deposit`]).
-    Returns `(positions, sources, members)`: the positions found, ascending, for each the
-    index into `ranks` it answers (fewer only if a rank is out of range), and the members
-    of each group, counted.
+    Returns `(positions, sources, held, members)`: the positions found, ascending, for each
+    the index into `ranks` it answers (fewer only if a rank is out of range) and its bits
+    (read here, where the pass has them at hand, rather than by a second pass over the
+    tensor), and the members of each group, counted.
 
     Per 64 elements, the members of group `g` are the mask of its lower boundary less that
     of its upper one; where a group's wanted rank falls among them, the member is found by
@@ -783,6 +785,7 @@ def _select(bits, boundaries, ranks, starts, ends, counts):
     group_of = _group_table(boundaries)
     positions = np.empty(ranks.size, np.int64)
     sources = np.empty(ranks.size, np.int64)
+    held = np.empty(ranks.size, np.int16)
     limits = _limits(boundaries)
     masks = _edge_masks()
     following = starts.copy()
@@ -813,6 +816,7 @@ def _select(bits, boundaries, ranks, starts, ends, counts):
             bit = trailing_zeros(hits)
             positions[found] = start + bit
             sources[found] = source_at[bit]
+            held[found] = bits[start + bit]
             found += 1
             hits &= hits - np.uint64(1)
     for i in range(whole, bits.size):  # the last elements, fewer than 64
@@ -820,10 +824,11 @@ def _select(bits, boundaries, ranks, starts, ends, counts):
         if following[group] < ends[group] and ranks[following[group]] == members[group]:
             positions[found] = i
             sources[found] = following[group]
+            held[found] = bits[i]
             found += 1
             following[group] += 1
         members[group] += 1
-    return positions[:found], sources[:found], members
+    return positions[:found], sources[:found], held[:found], members
 
 
 @numba.njit(nogil=True, cache=True)
@@ -855,6 +860,7 @@ def _select_by_deposit(bits, boundaries, ranks, starts, ends, counts):
     last = words.size - 2  # a group larger than the header claims reads no further
     positions = np.empty(ranks.size, np.int64)
     sources = np.empty(ranks.size, np.int64)
+    held = np.empty(ranks.size, np.int16)
     group_of = _group_table(boundaries)
     limits = _limits(boundaries)
     masks = _edge_masks()
@@ -877,9 +883,11 @@ def _select_by_deposit(bits, boundaries, ranks, starts, ends, counts):
             at[group] = bit + np.int64(popcount(mine))
         while hits and found < ranks.size:
             i = start + trailing_zeros(hits)
-            group = group_of[(bits[i] >> 7) & 0xFF]
+            value = bits[i]
+            group = group_of[(value >> 7) & 0xFF]
             positions[np.uint64(found)] = i
             sources[np.uint64(found)] = following[group]
+            held[np.uint64(found)] = value
             following[group] += 1
             found += 1
             hits &= hits - np.uint64(1)
@@ -888,10 +896,11 @@ def _select_by_deposit(bits, boundaries, ranks, starts, ends, counts):
         if (words[min(at[group] >> 6, last)] >> np.uint64(at[group] & 63)) & np.uint64(1) and found < ranks.size:
             positions[found] = i
             sources[found] = following[group]
+            held[found] = bits[i]
             following[group] += 1
             found += 1
         at[group] += 1
-    return positions[:found], sources[:found], at - bases[:groups]
+    return positions[:found], sources[:found], held[:found], at - bases[:groups]
 
 
 # Where the machine deposits bits in one instruction, the decoder's select pass has no

@@ -242,6 +242,7 @@ def test_both_select_passes_find_the_same_members(numel, rates):
     expected = compact._select(prev_bits, boundaries, ranks, ends - changed, ends, counts)
     got = compact._select_by_deposit(prev_bits, boundaries, ranks, ends - changed, ends, counts)
     assert np.array_equal(expected[0], indices)
+    assert np.array_equal(expected[2], prev_bits[indices])  # the held bits of each found element
     for one, other in zip(expected, got):
         assert np.array_equal(one, other)
 
