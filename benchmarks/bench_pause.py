@@ -30,8 +30,9 @@ tokens streamed in each, the longest gap between two tokens overlapping each and
 update window (a gap counts whole: a pause lasts until the next token, also when the
 completion in flight must be recomputed after it), the tokens of that completion, and what
 the server logged it wrote (tensors patched in place, changed elements, tensors written
-whole into their own runtime tensors, tensors reloaded whole). Before any update, a quiet window gives the median inter-token gap, its longest gap
-(the machine's own noise) and the cost of a utility call that does nothing and of
+whole into their own runtime tensors, tensors reloaded whole). Before any update, a quiet window
+(`quiet_seconds`, longer until it holds `QUIET_TOKENS` tokens: a shared machine can stall the
+server for seconds) gives the median inter-token gap, its longest gap (the machine's own noise) and the cost of a utility call that does nothing and of
 `delta_sync_status` while the server generates.
 
 The server's worker extension here is `TimedLoadExtension` (below): vLLM's, plus the
@@ -99,6 +100,10 @@ from delta_sync.control.client import Replica  # noqa: E402
 PROMPT = [7, 42, 99, 123, 5, 300, 17, 256, 64, 8, 77, 401]
 #: The design's targets (see the module docstring).
 GAP_TARGET_X_MEDIAN = 3.0
+#: Tokens the quiet window holds at the least, whatever its length: enough for a median gap.
+QUIET_TOKENS = 20
+#: Seconds the quiet window may run on past `quiet_seconds` to gather them.
+QUIET_DEADLINE_SECONDS = 120.0
 UPDATE_OVER_START_SECONDS = 0.05
 LOAD_TARGET_X_FULL = {"cpu": 0.6, "cuda": 0.1}
 #: Routes of the finish phase, as the client sends them.
@@ -623,7 +628,8 @@ class Settings:
         repeats: Single-delta updates.
         catch_up: Deltas in the catch-up update.
         post_after: Seconds between publishing a version and posting its update.
-        quiet_seconds: The window with no update that gives the median gap.
+        quiet_seconds: The window with no update that gives the median gap (longer, until
+            it holds `QUIET_TOKENS` tokens).
         device: What the server runs on (`cpu`, or `cuda` with a CUDA build of vLLM).
         dtype: The served dtype.
         max_len: `--max-model-len`, and the model's context.
@@ -744,6 +750,14 @@ def measure(settings: Settings, python: Path, workdir: Path) -> dict[str, Any]:
                     time.sleep(0.1)
                 quiet_start = time.monotonic()
                 settle(stream, settings.quiet_seconds)
+                deadline = time.monotonic() + QUIET_DEADLINE_SECONDS
+                while tokens_between(stream.arrivals, quiet_start, time.monotonic()) < QUIET_TOKENS:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"fewer than {QUIET_TOKENS} tokens streamed in the quiet window "
+                            f"({settings.quiet_seconds + QUIET_DEADLINE_SECONDS:.0f} s)"
+                        )
+                    settle(stream, 0.5)
                 quiet_end = time.monotonic()
                 # Utility calls while it generates: one that does nothing, and the status.
                 noop = [(lambda r: r[2] - r[1])(server.rpc("bench_pause_noop")) for _ in range(5)]
