@@ -247,6 +247,25 @@ def test_both_select_passes_find_the_same_members(numel, rates):
         assert np.array_equal(one, other)
 
 
+@pytest.mark.skipif(not FAST_BIT_GATHER, reason="this machine has no fast bit deposit (x86-64 BMI2)")
+def test_the_deposit_select_pass_files_no_more_than_its_ranks_when_groups_are_larger_than_claimed():
+    # Held weights whose groups are larger than the header claims (another version, or a
+    # damaged stream): past its claimed size, group 0 reads group 1's wanted ranks, which
+    # group 1's own members read again. The pass files at most one element per rank, and
+    # counts the members it saw, which the decoder compares with the claimed sizes.
+    previous = torch.zeros(10_000, dtype=torch.bfloat16)
+    previous[5_000:] = 1.0  # exponent 127: group 1
+    prev_bits = bits(previous).numpy()
+    boundaries = np.array([100], np.int64)
+    claimed = np.array([64, 64], np.int64)
+    ranks = np.concatenate([np.arange(64), np.arange(64)]).astype(np.int64)  # every claimed member wanted
+    starts, ends = np.array([0, 64], np.int64), np.array([64, 128], np.int64)
+    positions, sources, held, members = compact._select_by_deposit(prev_bits, boundaries, ranks, starts, ends, claimed)
+    assert positions.size == sources.size == held.size == ranks.size
+    assert np.all(np.diff(positions) > 0) and np.array_equal(held, prev_bits[positions])
+    assert members.tolist() == [5_000, 5_000]
+
+
 @pytest.mark.parametrize("offset", [1, 3])
 def test_round_trip_from_a_view_that_starts_mid_word(offset):
     """The rank pass reads the previous tensor four elements (one 64-bit word) at a time: a
