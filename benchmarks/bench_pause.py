@@ -30,9 +30,10 @@ tokens streamed in each, the longest gap between two tokens overlapping each and
 update window (a gap counts whole: a pause lasts until the next token, also when the
 completion in flight must be recomputed after it), the tokens of that completion, and what
 the server logged it wrote (tensors patched in place, changed elements, tensors written
-whole into their own runtime tensors, tensors reloaded whole). Before any update, a quiet window
-(`quiet_seconds`, longer until it holds `QUIET_TOKENS` tokens: a shared machine can stall the
-server for seconds) gives the median inter-token gap, its longest gap (the machine's own noise) and the cost of a utility call that does nothing and of
+whole into their own runtime tensors, tensors reloaded whole). Before any update, a quiet
+window (`quiet_seconds`, longer until it holds `QUIET_TOKENS` tokens: a shared machine can
+stall the server for seconds) gives the median inter-token gap, its longest gap (the
+machine's own noise) and the cost of a utility call that does nothing and of
 `delta_sync_status` while the server generates.
 
 The server's worker extension here is `TimedLoadExtension` (below): vLLM's, plus the
