@@ -722,24 +722,30 @@ def _decode_tensor(words, bits, boundaries, claimed, changed, quantized, sizes, 
     ranks, zigzag, error = _decode_groups(words, counts, changed, quantized, sizes)
     if error != rans.OK:
         return error, 0, 0
-    if counts.size == 1:
-        positions = ranks
-        held = bits[positions]
-    else:
-        ends = np.cumsum(changed)
-        positions, sources, held, found = _select_members(bits, boundaries, ranks, ends - changed, ends, counts)
-        for group in range(counts.size):
-            if found[group] != counts[group]:
-                return _WRONG_SIZES, group, found[group]
-        if positions.size != ranks.size:  # cannot happen: every rank was checked against its group's size
-            return _OUTSIDE_GROUPS, 0, 0
-        zigzag = zigzag[sources]
-    for j in range(positions.size):
-        code = np.int32(zigzag[j])
-        positions_out[j] = positions[j]
-        # The signed difference of the bit patterns, added as the encoder took it: wrapping.
-        values_out[j] = np.int16(np.int32(held[j]) + ((code >> 1) ^ -(code & 1)))
+    if counts.size == 1:  # one group: a change's rank is its position
+        for j in range(ranks.size):
+            position = ranks[np.uint64(j)]
+            positions_out[j] = position
+            values_out[j] = _applied(bits[np.uint64(position)], zigzag[np.uint64(j)])
+        return rans.OK, 0, 0
+    ends = np.cumsum(changed)
+    found, members = _select_members(
+        bits, boundaries, ranks, zigzag, ends - changed, ends, counts, positions_out, values_out
+    )
+    for group in range(counts.size):
+        if members[group] != counts[group]:
+            return _WRONG_SIZES, group, members[group]
+    if found != ranks.size:  # cannot happen: every rank was checked against its group's size
+        return _OUTSIDE_GROUPS, 0, 0
     return rans.OK, 0, 0
+
+
+@numba.njit(inline="always")
+def _applied(held, code):
+    """The new bits of an element that held `held`, from the zigzag code of its change: the
+    signed difference of the bit patterns, added as the encoder took it (wrapping)."""
+    code = np.int32(code)
+    return np.int16(np.int32(held) + ((code >> 1) ^ -(code & 1)))
 
 
 @numba.njit(nogil=True, cache=True)
@@ -765,15 +771,16 @@ def _group_counts(bits, boundaries):
 
 
 @numba.njit(nogil=True, cache=True)
-def _select(bits, boundaries, ranks, starts, ends, counts):
-    """Positions of the members of each group with the given ranks, in one pass, ascending.
+def _select(bits, boundaries, ranks, zigzag, starts, ends, counts, positions_out, values_out):
+    """The changes at the members of each group with the given ranks, in one pass, ascending.
 
     `ranks[starts[g]:ends[g]]` are group `g`'s, ascending and each below its size
-    (`counts[g]`, as the header claims it: unused here, see [`_select_by_deposit`]).
-    Returns `(positions, sources, held, members)`: the positions found, ascending, for each
-    the index into `ranks` it answers (fewer only if a rank is out of range) and its bits
-    (read here, where the pass has them at hand, rather than by a second pass over the
-    tensor), and the members of each group, counted.
+    (`counts[g]`, as the header claims it: unused here, see [`_select_by_deposit`]), and
+    `zigzag` holds the code of each rank's change. Writes each element found, ascending,
+    into `positions_out` and its new bits (its held bits, read here where the pass has them
+    at hand, changed by its code: [`_applied`]) into `values_out`. Returns `(found,
+    members)`: how many were found (fewer than `ranks` only if a rank is out of range) and
+    the members of each group, counted.
 
     Per 64 elements, the members of group `g` are the mask of its lower boundary less that
     of its upper one; where a group's wanted rank falls among them, the member is found by
@@ -783,9 +790,6 @@ def _select(bits, boundaries, ranks, starts, ends, counts):
     """
     groups = starts.size
     group_of = _group_table(boundaries)
-    positions = np.empty(ranks.size, np.int64)
-    sources = np.empty(ranks.size, np.int64)
-    held = np.empty(ranks.size, np.int16)
     limits = _limits(boundaries)
     masks = _edge_masks()
     following = starts.copy()
@@ -814,21 +818,19 @@ def _select(bits, boundaries, ranks, starts, ends, counts):
             members[group] += here
         while hits:
             bit = trailing_zeros(hits)
-            positions[found] = start + bit
-            sources[found] = source_at[bit]
-            held[found] = bits[start + bit]
+            positions_out[found] = start + bit
+            values_out[found] = _applied(bits[start + bit], zigzag[source_at[bit]])
             found += 1
             hits &= hits - np.uint64(1)
     for i in range(whole, bits.size):  # the last elements, fewer than 64
         group = group_of[(bits[i] >> 7) & 0xFF]
         if following[group] < ends[group] and ranks[following[group]] == members[group]:
-            positions[found] = i
-            sources[found] = following[group]
-            held[found] = bits[i]
+            positions_out[found] = i
+            values_out[found] = _applied(bits[i], zigzag[following[group]])
             found += 1
             following[group] += 1
         members[group] += 1
-    return positions[:found], sources[:found], held[:found], members
+    return found, members
 
 
 @numba.njit(nogil=True, cache=True)
@@ -849,18 +851,17 @@ def _rank_bitmaps(ranks, starts, ends, counts):
 
 
 @numba.njit(nogil=True, cache=True)
-def _select_by_deposit(bits, boundaries, ranks, starts, ends, counts):
+def _select_by_deposit(bits, boundaries, ranks, zigzag, starts, ends, counts, positions_out, values_out):
     """[`_select`] without a branch per group: each group's wanted ranks as a bitmap of its
     members ([`_rank_bitmaps`]); per 64 elements, the next bits of each group's bitmap, as
     many as it has members here, are deposited onto their positions ([`deposit`]) and the
     changed elements are the union over the groups. A change's group then comes from its
-    exponent, and its index into `ranks` is the next of its group's."""
+    exponent, and its code is the next of its group's."""
     groups = starts.size
     words, bases = _rank_bitmaps(ranks, starts, ends, counts)
     last = words.size - 2  # a group larger than the header claims reads no further
-    positions = np.empty(ranks.size, np.int64)
-    sources = np.empty(ranks.size, np.int64)
-    held = np.empty(ranks.size, np.int16)
+    # nor files a code past the last (the decoder then refuses the stream: wrong sizes)
+    last_code = np.uint64(max(zigzag.size - 1, 0))
     group_of = _group_table(boundaries)
     limits = _limits(boundaries)
     masks = _edge_masks()
@@ -883,24 +884,23 @@ def _select_by_deposit(bits, boundaries, ranks, starts, ends, counts):
             at[group] = bit + np.int64(popcount(mine))
         while hits and found < ranks.size:
             i = start + trailing_zeros(hits)
-            value = bits[i]
-            group = group_of[(value >> 7) & 0xFF]
-            positions[np.uint64(found)] = i
-            sources[np.uint64(found)] = following[group]
-            held[np.uint64(found)] = value
-            following[group] += 1
+            held = bits[i]
+            group = group_of[(held >> 7) & 0xFF]
+            source = following[group]
+            positions_out[np.uint64(found)] = i
+            values_out[np.uint64(found)] = _applied(held, zigzag[min(np.uint64(source), last_code)])
+            following[group] = source + 1
             found += 1
             hits &= hits - np.uint64(1)
     for i in range(whole, bits.size):  # the last elements, fewer than 64
         group = group_of[(bits[i] >> 7) & 0xFF]
         if (words[min(at[group] >> 6, last)] >> np.uint64(at[group] & 63)) & np.uint64(1) and found < ranks.size:
-            positions[found] = i
-            sources[found] = following[group]
-            held[found] = bits[i]
+            positions_out[found] = i
+            values_out[found] = _applied(bits[i], zigzag[min(np.uint64(following[group]), last_code)])
             following[group] += 1
             found += 1
         at[group] += 1
-    return positions[:found], sources[:found], held[:found], at - bases[:groups]
+    return found, at - bases[:groups]
 
 
 # Where the machine deposits bits in one instruction, the decoder's select pass has no

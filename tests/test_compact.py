@@ -239,12 +239,18 @@ def test_both_select_passes_find_the_same_members(numel, rates):
         changed.append(ranks[-1].size)
     ends = np.cumsum(changed)
     ranks = np.concatenate(ranks).astype(np.int64)
-    expected = compact._select(prev_bits, boundaries, ranks, ends - changed, ends, counts)
-    got = compact._select_by_deposit(prev_bits, boundaries, ranks, ends - changed, ends, counts)
-    assert np.array_equal(expected[0], indices)
-    assert np.array_equal(expected[2], prev_bits[indices])  # the held bits of each found element
-    for one, other in zip(expected, got):
-        assert np.array_equal(one, other)
+    # Each change's code, laid out as the ranks are (group after group).
+    zigzag = torch.randint(1, 1 << 16, (ranks.size,), generator=generator).numpy().astype(np.uint16)
+    difference = (zigzag.astype(np.int32) >> 1) ^ -(zigzag.astype(np.int32) & 1)
+    order = np.argsort(group_of[indices], kind="stable")
+    expected_values = np.empty(indices.size, np.int16)
+    expected_values[order] = (prev_bits[indices[order]].astype(np.int32) + difference).astype(np.int16)  # wrapping
+    for select in (compact._select, compact._select_by_deposit):
+        positions, values = np.empty(ranks.size, np.int32), np.empty(ranks.size, np.int16)
+        found, members = select(prev_bits, boundaries, ranks, zigzag, ends - changed, ends, counts, positions, values)
+        assert found == ranks.size and np.array_equal(members, counts)
+        assert np.array_equal(positions, indices)
+        assert np.array_equal(values, expected_values)  # held bits changed by each one's own code
 
 
 @pytest.mark.skipif(not FAST_BIT_GATHER, reason="this machine has no fast bit deposit (x86-64 BMI2)")
@@ -260,9 +266,14 @@ def test_the_deposit_select_pass_files_no_more_than_its_ranks_when_groups_are_la
     claimed = np.array([64, 64], np.int64)
     ranks = np.concatenate([np.arange(64), np.arange(64)]).astype(np.int64)  # every claimed member wanted
     starts, ends = np.array([0, 64], np.int64), np.array([64, 128], np.int64)
-    positions, sources, held, members = compact._select_by_deposit(prev_bits, boundaries, ranks, starts, ends, claimed)
-    assert positions.size == sources.size == held.size == ranks.size
-    assert np.all(np.diff(positions) > 0) and np.array_equal(held, prev_bits[positions])
+    zigzag = np.full(ranks.size, 2, np.uint16)  # +1 on every element
+    positions, values = np.full(ranks.size + 1, -1, np.int32), np.zeros(ranks.size + 1, np.int16)
+    found, members = compact._select_by_deposit(
+        prev_bits, boundaries, ranks, zigzag, starts, ends, claimed, positions[:-1], values[:-1]
+    )
+    assert found == ranks.size and positions[-1] == -1  # nothing past the ranks' room
+    assert np.all(np.diff(positions[:found]) > 0)
+    assert np.array_equal(values[:found], prev_bits[positions[:found]] + 1)
     assert members.tolist() == [5_000, 5_000]
 
 
