@@ -21,7 +21,7 @@ snapshot) and every replica (its held weights) both have:
   step in ULPs also follows the exponent.
 
 Both are coded with this package's own range ANS coder ([`delta_sync.rans`]: static integer
-frequency tables, 4 interleaved states where a tensor has 16384 changes or more, else 1;
+frequency tables, 4 interleaved states where a tensor has 1024 changes or more, else 1;
 compiled, and run without the GIL). Encoding and decoding are one compiled call per thread,
 each for its share of the tensors (handed over by address, [`delta_sync.addresses`]): a
 call returns to Python, and so waits for the GIL, once for its whole share, rather than
@@ -50,7 +50,7 @@ little-endian, is:
 
 | field | size | meaning |
 | --- | --- | --- |
-| version | 1 byte | `4` (version 3, the same without the group sizes, is read too; version 2, coded with the `constriction` library, is refused with an error naming it) |
+| version | 1 byte | `5` (read too: version 4, the same with one coder state below 16384 changes rather than 1024, and version 3, version 4 without the group sizes; version 2, coded with the `constriction` library, is refused with an error naming it) |
 | groups | 1 byte | number of exponent groups `G` (1-8) |
 | boundaries | `G - 1` bytes | first exponent of groups `1..G-1`, strictly ascending |
 | group sizes | `G - 1` varints | elements in groups `0..G-2` of the previous tensor (the last group holds the rest) |
@@ -110,9 +110,11 @@ ENCODING = Encoding.COMPACT
 #: Suffix of the one tensor each changed parameter is stored under.
 SUFFIX = ".compact"
 
-_VERSION = 4
-# Version 3 is read too: the same layout without the group sizes, which the decoder counts.
-_READ_VERSIONS = (3, 4)
+_VERSION = 5
+# Versions 3 and 4 are read too: version 4 is version 5 with one coder state up to
+# `_MIN_LANED_CHANGES_V4` changes, and version 3 is version 4 without the group sizes,
+# which the decoder counts.
+_READ_VERSIONS = (3, 4, 5)
 # Each group boundary costs a pass over the tensor on both sides; 8 groups keep all but ~1%
 # of the gain of one group per exponent on real training streams. (`_limits` spells out the
 # 7 edges between them.)
@@ -135,8 +137,10 @@ _MIN_GROUPED_CHANGES = 256
 # by their changes alone, which balanced it as well on those streams.
 _CHANGE_WORK = 200
 _CHANGES_PER_BYTE = 2
-# Tensors with fewer changes code with one coder state rather than `rans.LANES`.
-_MIN_LANED_CHANGES = 16384
+# Tensors with fewer changes code with one coder state rather than `rans.LANES`: the other
+# states cost 24 bytes, and one state codes a symbol about 2.7x slower than four.
+_MIN_LANED_CHANGES = 1024
+_MIN_LANED_CHANGES_V4 = 16384
 # At most this many exponent atoms enter the search for group boundaries (coarsened beyond).
 _MAX_ATOMS = 48
 # A group boundary costs a pass over the tensor: it must save more than this many bits per element.
@@ -603,6 +607,7 @@ def _decode_batch(
     quantized = np.zeros((count, _MAX_GROUPS, _CLASSES), np.uint8)
     sizes = np.zeros((count, _MAX_GROUPS), np.int64)
     members = np.full((count, _MAX_GROUPS), -1, np.int64)  # -1: to be counted (version 3)
+    lanes = np.ones(count, np.int64)
     wide = np.zeros(count, np.bool_)
     alive, outputs = [], []  # what the compiled call reads and writes by address
     for t, name in enumerate(names):
@@ -617,6 +622,7 @@ def _decode_batch(
         header = _Header.read(reader, numel)
         reader.check_words(header.words)
         groups[t] = len(header.changed)
+        lanes[t] = header.lanes
         if header.members is not None:
             members[t, : groups[t]] = header.members
         boundaries[t, : len(header.boundaries)] = header.boundaries
@@ -638,7 +644,7 @@ def _decode_batch(
         )
         alive.append((stream, held))
         outputs.append((positions, values))
-    errors = _decode_tensors(table, wide, groups, boundaries, members, changed, quantized, sizes)
+    errors = _decode_tensors(table, wide, lanes, groups, boundaries, members, changed, quantized, sizes)
     decoded = {}
     for t, name in enumerate(names):
         code, group, members = errors[t].tolist()
@@ -656,11 +662,12 @@ def _decode_batch(
 
 
 @numba.njit(nogil=True, cache=True)
-def _decode_tensors(table, wide, groups, boundaries, members, changed, quantized, sizes):
+def _decode_tensors(table, wide, lanes, groups, boundaries, members, changed, quantized, sizes):
     """Decode the tensors of `table` (per row: the address of their coder words' first byte
     and their count, the address and size of their previous bits, and the addresses of the
-    positions, int64 where `wide` else int32, and values to write), with their headers'
-    fields per row (`members`: the groups' sizes, -1 where the stream does not give them):
+    positions, int64 where `wide` else int32, and values to write), with their coder states
+    (`lanes`) and headers' fields per row (`members`: the groups' sizes, -1 where the stream
+    does not give them):
     per tensor `(error, group, members)`, an error code (`rans.OK`: decoded), and for a
     group claiming more changes than it has members, or another size than it has, the
     group and its members."""
@@ -672,7 +679,8 @@ def _decode_tensors(table, wide, groups, boundaries, members, changed, quantized
             k += changed[t, group]
         words = _words(view(table[t, 0], 4 * table[t, 1], np.uint8))
         bits = view(table[t, 2], table[t, 3], np.int16)
-        edges, claimed, changes, tables, table_sizes = (
+        header = (
+            lanes[t],
             boundaries[t, : g - 1].copy(),
             members[t, :g].copy(),
             changed[t, :g].copy(),
@@ -681,13 +689,9 @@ def _decode_tensors(table, wide, groups, boundaries, members, changed, quantized
         )
         values = view(table[t, 5], k, np.int16)
         if wide[t]:
-            result = _decode_tensor(
-                words, bits, edges, claimed, changes, tables, table_sizes, view(table[t, 4], k, np.int64), values
-            )
+            result = _decode_tensor(words, bits, *header, view(table[t, 4], k, np.int64), values)
         else:
-            result = _decode_tensor(
-                words, bits, edges, claimed, changes, tables, table_sizes, view(table[t, 4], k, np.int32), values
-            )
+            result = _decode_tensor(words, bits, *header, view(table[t, 4], k, np.int32), values)
         errors[t, 0], errors[t, 1], errors[t, 2] = result
     return errors
 
@@ -705,9 +709,10 @@ def _words(data):
 
 
 @numba.njit(nogil=True, cache=True)
-def _decode_tensor(words, bits, boundaries, claimed, changed, quantized, sizes, positions_out, values_out):
-    """One tensor's changes into `positions_out` and `values_out`: `(error, group, members)`
-    as [`_decode_tensors`] returns them. The groups' sizes are those the header `claimed`
+def _decode_tensor(words, bits, lanes, boundaries, claimed, changed, quantized, sizes, positions_out, values_out):
+    """One tensor's changes, coded with `lanes` coder states, into `positions_out` and
+    `values_out`: `(error, group, members)` as [`_decode_tensors`] returns them. The groups'
+    sizes are those the header `claimed`
     (checked against the tensor by the select pass, which counts them as it goes), or
     counted here first (version 3)."""
     if claimed.size == 1:
@@ -719,7 +724,7 @@ def _decode_tensor(words, bits, boundaries, claimed, changed, quantized, sizes, 
     for group in range(counts.size):
         if changed[group] > counts[group]:
             return _TOO_MANY_CHANGES, group, counts[group]
-    ranks, zigzag, error = _decode_groups(words, counts, changed, quantized, sizes)
+    ranks, zigzag, error = _decode_groups(words, lanes, counts, changed, quantized, sizes)
     if error != rans.OK:
         return error, 0, 0
     if counts.size == 1:  # one group: a change's rank is its position
@@ -998,6 +1003,7 @@ class _Header:
     boundaries: list[int]
     members: list[int] | None  # the groups' sizes (None in version 3: counted)
     changed: list[int]
+    lanes: int
     tables: list[np.ndarray | None] = field(default_factory=list)
     words: int = 0
 
@@ -1005,7 +1011,8 @@ class _Header:
     def read(cls, reader: _Reader, numel: int) -> _Header:
         version = reader.byte("version")
         if version not in _READ_VERSIONS:
-            readable = " and ".join(map(str, _READ_VERSIONS))
+            *others, newest = _READ_VERSIONS
+            readable = f"{', '.join(map(str, others))} and {newest}"
             raise FormatError(
                 f"{reader.where}: compact stream version {version} is not supported (this library reads {readable})"
             )
@@ -1039,7 +1046,8 @@ class _Header:
                     raise FormatError(f"{reader.where}: value table of group {group} is empty")
             tables.append(table)
         words = reader.varint(numel * 8 + 8, "length of the entropy-coded data")
-        return cls(boundaries=boundaries, members=members, changed=changed, tables=tables, words=words)
+        lanes = _lanes_of(version, total)
+        return cls(boundaries=boundaries, members=members, changed=changed, lanes=lanes, tables=tables, words=words)
 
 
 # -- exponent groups -------------------------------------------------------------------------
@@ -1315,6 +1323,12 @@ def _lanes(changed):
     return rans.LANES if total >= _MIN_LANED_CHANGES else 1
 
 
+def _lanes_of(version: int, changes: int) -> int:
+    """The coder states a stream of `version` with `changes` changes was coded with."""
+    least = _MIN_LANED_CHANGES if version >= 5 else _MIN_LANED_CHANGES_V4
+    return rans.LANES if changes >= least else 1
+
+
 @numba.njit(inline="always")
 def _put(starts, freqs, scales, at, start, freq, scale):
     starts[at] = start
@@ -1493,16 +1507,16 @@ def _decode_error(code: int, group: int, changed: int, members: int) -> str:
 
 
 @numba.njit(nogil=True, cache=True)
-def _decode_groups(words, counts, changed, quantized, sizes):
+def _decode_groups(words, lanes, counts, changed, quantized, sizes):
     """`(ranks, zigzag, error)`: every group's changes (ranks among the group, zigzag values)
-    ordered by group, from the words [`_encode_groups`] codes; `error` a `rans` or group
-    error code (`rans.OK` when the stream checked out to its end)."""
+    ordered by group, from the words [`_encode_groups`] codes with `lanes` coder states;
+    `error` a `rans` or group error code (`rans.OK` when the stream checked out to its end)."""
     total = 0
     for group in range(counts.size):
         total += changed[group]
     ranks = np.empty(total, np.int64)
     zigzag = np.empty(total, np.uint16)
-    ctx, error = rans.decoder_start(words, _lanes(changed))
+    ctx, error = rans.decoder_start(words, lanes)
     if error != rans.OK:
         return ranks, zigzag, error
     first = 0

@@ -1,4 +1,4 @@
-"""A plain, slow reference of the compact encoding's entropy coder and stream (versions 3 and 4),
+"""A plain, slow reference of the compact encoding's entropy coder and stream (versions 3 to 5),
 written from the format's description with Python integers, independently of
 `delta_sync.rans` and `delta_sync.compact`: the tests check that each side decodes what
 the other encodes, byte for byte where both encode.
@@ -14,13 +14,13 @@ import numpy as np
 
 PRECISION = 16
 LANES = 4
-MIN_LANED_CHANGES = 16384  # a compact stream with fewer changes codes with one state
+MIN_LANED_CHANGES = {3: 16384, 4: 16384, 5: 1024}  # per version: a stream with fewer changes codes with one state
 LOW = 1 << 31
 TOPS = 64
 DIRECT_CLASSES = 16
 CLASSES = 28
 CHUNK_BITS = 16
-VERSION = 4  # version 3: the same without the groups' sizes in the header
+VERSION = 5  # version 4: one state below 16384 changes; version 3: 4 without the groups' sizes in the header
 
 
 # -- the coder ----------------------------------------------------------------------------------
@@ -189,7 +189,7 @@ def encode_stream(
         table_bytes = [log_byte(n) if n else 0 for n in class_counts[:size]]
         header += bytes([size - 1, *table_bytes])
         symbols += group_symbols(len(members), changed, table_bytes)
-    words = encode(symbols, LANES if len(indices) >= MIN_LANED_CHANGES else 1)
+    words = encode(symbols, LANES if len(indices) >= MIN_LANED_CHANGES[version] else 1)
     header += varint(len(words))
     return bytes(header) + b"".join(w.to_bytes(4, "little") for w in words)
 
@@ -279,11 +279,11 @@ class Reader:
 
 
 def decode_stream(data: bytes, prev_bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """`(indices, new_bits)` of a compact stream (version 3 or 4) against the previous tensor's bits (int16)."""
+    """`(indices, new_bits)` of a compact stream (version 3, 4 or 5) against the previous tensor's bits (int16)."""
     reader = Reader(bytes(data))
     version = reader.byte()
-    if version not in (3, 4):
-        raise ValueError(f"version {version} is not 3 or 4")
+    if version not in MIN_LANED_CHANGES:
+        raise ValueError(f"version {version} is not 3, 4 or 5")
     group_count = reader.byte()
     boundaries = [reader.byte() for _ in range(group_count - 1)]
     groups = group_of_elements(prev_bits, boundaries)
@@ -299,7 +299,7 @@ def decode_stream(data: bytes, prev_bits: np.ndarray) -> tuple[np.ndarray, np.nd
     rest = data[reader.at :]
     if len(rest) != 4 * word_count:
         raise ValueError("word count does not match")
-    lanes = LANES if sum(changed) >= MIN_LANED_CHANGES else 1
+    lanes = LANES if sum(changed) >= MIN_LANED_CHANGES[version] else 1
     decoder = Decoder([int.from_bytes(rest[4 * i : 4 * i + 4], "little") for i in range(word_count)], lanes)
     prev = prev_bits.astype(np.int64)
     found: list[tuple[int, int]] = []

@@ -23,7 +23,7 @@ from conftest import TwoTower, train_step
 pytestmark = pytest.mark.timeout(300)
 
 SOURCE = "deltas/step_00000002.safetensors"
-VERSION = 4  # first byte of a compact stream
+VERSION = 5  # first byte of a compact stream
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -503,7 +503,7 @@ def test_header_fields_are_validated():
     cases = {
         "version 9 is not supported": torch.tensor([9, 1, 0], dtype=torch.uint8),
         # Version 2 (constriction's coder) is not read: its streams name the version.
-        "version 2 is not supported .this library reads 3 and 4.": torch.tensor([2, 1, 0, 0], dtype=torch.uint8),
+        "version 2 is not supported .this library reads 3, 4 and 5.": torch.tensor([2, 1, 0, 0], dtype=torch.uint8),
         "group count is 0": torch.tensor([VERSION, 0], dtype=torch.uint8),
         "group count is 9": header(9, list(range(1, 9)), [b"\0"] * 9, [b""] * 9),
         "not strictly ascending": header(3, [5, 5], [b"\0"] * 3, [b""] * 3),

@@ -327,8 +327,9 @@ def check_against_reference(previous: torch.Tensor, change: SparseChange) -> Non
     boundaries = list(stream[2 : 2 + stream[1] - 1])
     ours = reference.encode_stream(prev_bits, indices, new_bits, boundaries)
     assert ours == stream
-    # The reference's own choice of groups, too; and version 3 (the decoder counts the groups' sizes).
-    for groups, version in (([], 4), ([110, 118, 122], 4), (boundaries, 3)):
+    # The reference's own choice of groups, too; and versions 4 (one coder state below 16384
+    # changes) and 3 (the decoder counts the groups' sizes).
+    for groups, version in (([], 5), ([110, 118, 122], 5), (boundaries, 4), (boundaries, 3)):
         ours = reference.encode_stream(prev_bits, indices, new_bits, groups, version)
         entry = torch.frombuffer(bytearray(ours), dtype=torch.uint8)
         decoded = decode_changes({"w" + SUFFIX: entry}, {"w": previous}, {"w": tuple(previous.shape)}, source="x")["w"]
@@ -387,3 +388,21 @@ def test_reference_with_nothing_changed():
     previous = torch.randn(1000).to(torch.bfloat16)
     nothing = SparseChange(indices=torch.zeros(0, dtype=index_dtype(1000)), values=torch.zeros(0, dtype=torch.bfloat16))
     check_against_reference(previous, nothing)
+
+
+def test_version_4_streams_with_one_coder_state_still_decode():
+    # From 1024 to 16383 changes, version 5 codes with 4 coder states where version 4 coded
+    # with one: the decoder picks the count by the stream's version.
+    generator = torch.Generator().manual_seed(11)
+    previous = (torch.randn(40_000, generator=generator) * 0.02).to(torch.bfloat16)
+    change = random_change(generator, previous, 0.1, "ulps")
+    assert 1024 <= len(change) < 16384
+    prev_bits = previous.view(torch.int16).numpy()
+    indices, new_bits = change.indices.long().numpy(), change.values.view(torch.int16).numpy()
+    streams = {version: reference.encode_stream(prev_bits, indices, new_bits, [118], version) for version in (4, 5)}
+    assert streams[4][1:] != streams[5][1:]  # the same header, other coder words
+    for version, stream in streams.items():
+        entry = torch.frombuffer(bytearray(stream), dtype=torch.uint8)
+        decoded = decode_changes({"w" + SUFFIX: entry}, {"w": previous}, {"w": (40_000,)}, source="x")["w"]
+        assert torch.equal(decoded.indices.long(), change.indices.long()), version
+        assert torch.equal(decoded.values.view(torch.int16), change.values.view(torch.int16)), version
