@@ -68,6 +68,7 @@ from pathlib import Path
 
 import numba
 import numpy as np
+import safetensors.numpy
 import torch
 import zstandard
 from safetensors.torch import load as load_bytes
@@ -409,7 +410,11 @@ def measure_step(step, detector, trl, replica, replica_checksums, trainer_checks
     # the advanced snapshot through the old values of the changed elements.
     raw_s, raw_blob = timed(lambda: save_bytes(raw_delta_tensors(changes, shapes)), repeat=REPEAT)
     compact_s, entries = timed(lambda: encode_changes(changes, snapshot, old_values=old), repeat=REPEAT)
-    serialize_s, compact_blob = timed(lambda: save_bytes(entries), repeat=REPEAT)
+    # Serialized as the trainer's writer does it (`delta_sync.format`): uint8 streams through
+    # safetensors' numpy writer.
+    serialize_s, compact_blob = timed(
+        lambda: safetensors.numpy.save({name: entry.numpy() for name, entry in entries.items()}), repeat=REPEAT
+    )
     for name, change in changes.items():
         trainer_checksums[name] = updated_checksum(trainer_checksums[name], change.indices, old[name], change.values)
 

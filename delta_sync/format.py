@@ -45,6 +45,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
+import safetensors.numpy
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
@@ -617,7 +618,14 @@ def write_delta(
 
 def _write(path: str | os.PathLike, tensors: dict[str, torch.Tensor], header: FileHeader) -> FileHeader:
     header = replace(header, payload_digest=payload_digest(tensors.items()))
-    save_file(tensors, str(path), metadata=header.to_metadata())
+    if all(tensor.dtype == torch.uint8 for tensor in tensors.values()):
+        # A compact delta (one uint8 tensor per parameter): safetensors' numpy writer makes
+        # the same file at about a third of its torch writer's cost per tensor.
+        safetensors.numpy.save_file(
+            {name: tensor.numpy() for name, tensor in tensors.items()}, str(path), metadata=header.to_metadata()
+        )
+    else:
+        save_file(tensors, str(path), metadata=header.to_metadata())
     return header
 
 
