@@ -359,7 +359,15 @@ def _encode_tensor(bits, positions, new_bits, old_bits, patched):
         # One pass over the tensor: each change's rank among its group, and the groups' sizes,
         # with the changes ordered by group (stable).
         counts = np.zeros(boundaries.size + 1, np.int64)
-        ranks, classes, zigzag = _rank_changes(bits, boundaries, positions, old_bits, classes, zigzag, changed, counts)
+        limits = _limits(boundaries)
+        if boundaries.size == 1:  # one edge to compare with (see `_limits`)
+            ranks, classes, zigzag = _rank_changes(
+                bits, boundaries, positions, old_bits, classes, zigzag, changed, counts, (limits[0],)
+            )
+        else:
+            ranks, classes, zigzag = _rank_changes(
+                bits, boundaries, positions, old_bits, classes, zigzag, changed, counts, limits
+            )
     else:  # one group: a change's rank is its position
         counts = np.full(1, bits.size, np.int64)
         ranks = positions
@@ -476,7 +484,7 @@ def _run_histogram(bits, runs, step, length, indices, old_bits, patched):
 
 
 @numba.njit(nogil=True, cache=True)
-def _rank_changes(bits, boundaries, indices, old_bits, classes, zigzag, changed, counts):
+def _rank_changes(bits, boundaries, indices, old_bits, classes, zigzag, changed, counts, limits):
     """Rank of each change among the members of its group (by previous exponent), and the
     group sizes (into `counts`): `(ranks, classes, zigzag)` ordered by group, stable.
 
@@ -501,11 +509,11 @@ def _rank_changes(bits, boundaries, indices, old_bits, classes, zigzag, changed,
     # none. `at_least[e]`: elements before the current 64 whose old exponent is at least
     # edge e. The masks see the tensor as it is (new values at the changed positions), so
     # a change that moved an element across an edge corrects the count once it is seen.
-    limits = _limits(boundaries)
-    # Every edge of `_MAX_GROUPS` groups: those past the last group count no element, and a
-    # loop of known length over them compiles to straight-line code.
-    at_least = np.zeros(_MAX_GROUPS + 1, np.int64)
-    masks = _edge_masks()
+    # Every edge of `limits` (see [`_limits`]): those past the last group count no
+    # element, and a loop of known length over them compiles to straight-line code.
+    edges = len(limits)
+    at_least = np.zeros(edges + 2, np.int64)
+    masks = _edge_masks(limits)
     whole = numel - numel % LANES
     j = 0
     for start in range(0, whole, LANES):
@@ -526,7 +534,7 @@ def _rank_changes(bits, boundaries, indices, old_bits, classes, zigzag, changed,
                 for edge in range(1, groups):
                     at_least[edge] += np.int64(old >= boundaries[edge - 1]) - np.int64(new >= boundaries[edge - 1])
             j += 1
-        for edge in range(1, _MAX_GROUPS):
+        for edge in range(1, edges + 1):
             at_least[edge] += np.int64(popcount(masks[edge]))
     for i in range(whole, numel):  # the last elements, fewer than 64: one at a time
         at_least[0] = i
@@ -734,9 +742,15 @@ def _decode_tensor(words, bits, lanes, boundaries, claimed, changed, quantized, 
             values_out[j] = _applied(bits[np.uint64(position)], zigzag[np.uint64(j)])
         return rans.OK, 0, 0
     ends = np.cumsum(changed)
-    found, members = _select_members(
-        bits, boundaries, ranks, zigzag, ends - changed, ends, counts, positions_out, values_out
-    )
+    limits = _limits(boundaries)
+    if boundaries.size == 1:  # one edge to compare with (see `_limits`)
+        found, members = _select_members(
+            bits, boundaries, (limits[0],), ranks, zigzag, ends - changed, ends, counts, positions_out, values_out
+        )
+    else:
+        found, members = _select_members(
+            bits, boundaries, limits, ranks, zigzag, ends - changed, ends, counts, positions_out, values_out
+        )
     for group in range(counts.size):
         if members[group] != counts[group]:
             return _WRONG_SIZES, group, members[group]
@@ -760,7 +774,7 @@ def _group_counts(bits, boundaries):
     group_of = _group_table(boundaries)
     at_least = np.zeros(groups + 1, np.int64)  # per edge, as in `_rank_changes`
     limits = _limits(boundaries)
-    masks = _edge_masks()
+    masks = _edge_masks(limits)
     whole = bits.size - bits.size % LANES
     for start in range(0, whole, LANES):
         _mask_edges(bits, start, limits, masks)
@@ -776,7 +790,7 @@ def _group_counts(bits, boundaries):
 
 
 @numba.njit(nogil=True, cache=True)
-def _select(bits, boundaries, ranks, zigzag, starts, ends, counts, positions_out, values_out):
+def _select(bits, boundaries, limits, ranks, zigzag, starts, ends, counts, positions_out, values_out):
     """The changes at the members of each group with the given ranks, in one pass, ascending.
 
     `ranks[starts[g]:ends[g]]` are group `g`'s, ascending and each below its size
@@ -795,8 +809,7 @@ def _select(bits, boundaries, ranks, zigzag, starts, ends, counts, positions_out
     """
     groups = starts.size
     group_of = _group_table(boundaries)
-    limits = _limits(boundaries)
-    masks = _edge_masks()
+    masks = _edge_masks(limits)
     following = starts.copy()
     members = np.zeros(groups, np.int64)  # members of each group before the current 64
     source_at = np.empty(LANES, np.int64)  # for each element found here, its index into `ranks`
@@ -856,7 +869,7 @@ def _rank_bitmaps(ranks, starts, ends, counts):
 
 
 @numba.njit(nogil=True, cache=True)
-def _select_by_deposit(bits, boundaries, ranks, zigzag, starts, ends, counts, positions_out, values_out):
+def _select_by_deposit(bits, boundaries, limits, ranks, zigzag, starts, ends, counts, positions_out, values_out):
     """[`_select`] without a branch per group: each group's wanted ranks as a bitmap of its
     members ([`_rank_bitmaps`]); per 64 elements, the next bits of each group's bitmap, as
     many as it has members here, are deposited onto their positions ([`deposit`]) and the
@@ -868,8 +881,7 @@ def _select_by_deposit(bits, boundaries, ranks, zigzag, starts, ends, counts, po
     # nor files a code past the last (the decoder then refuses the stream: wrong sizes)
     last_code = np.uint64(max(zigzag.size - 1, 0))
     group_of = _group_table(boundaries)
-    limits = _limits(boundaries)
-    masks = _edge_masks()
+    masks = _edge_masks(limits)
     following = starts.copy()
     at = bases[:groups].copy()  # each group's bit for its next member
     found = 0
@@ -914,11 +926,12 @@ _select_members = _select_by_deposit if FAST_BIT_GATHER else _select
 
 
 @numba.njit(inline="always")
-def _edge_masks():
-    """Per edge (the lower boundary of each group, and one past the last of `_MAX_GROUPS`),
-    the mask of the 64 current elements whose exponent is at least it: edge 0 holds every
-    element, the edges from the last group's upper one on none; [`_mask_edges`] sets the others."""
-    masks = np.zeros(_MAX_GROUPS + 1, np.uint64)
+def _edge_masks(limits):
+    """Per edge (the lower boundary of each group, one per limit of `limits` after the
+    first, and one past the last), the mask of the 64 current elements whose exponent is at
+    least it: edge 0 holds every element, the edges from the last group's upper one on
+    none; [`_mask_edges`] sets the others."""
+    masks = np.zeros(len(limits) + 2, np.uint64)
     masks[0] = ~np.uint64(0)
     return masks
 
@@ -927,8 +940,8 @@ def _edge_masks():
 def _mask_edges(bits, start, limits, masks):
     """The [`_edge_masks`] of the 64 elements from `start`, from one read of them."""
     found = above(bits, start, limits)
-    for edge in range(1, _MAX_GROUPS):
-        masks[edge] = found[edge - 1]
+    for edge in range(len(limits)):
+        masks[edge + 1] = found[edge]
 
 
 @numba.njit(inline="always")
@@ -947,7 +960,12 @@ def _group_table(boundaries):
 def _limits(boundaries):
     """Per edge from 1 to `_MAX_GROUPS - 1`, the magnitude that [`above`] compares with:
     `(exponent << 7) - 1` for the lower boundary of each group but the first, and 0x7FFF
-    (no element) for edges past the last group."""
+    (no element) for edges past the last group.
+
+    The passes over a tensor are compiled once per number of limits, all seven as a rule.
+    A tensor in two groups passes its first alone: those are the large tensors with few
+    changes (an embedding), whose pass then compares once per 64 elements rather than
+    seven times, in about 0.4x the time."""
     limits = np.full(_MAX_GROUPS - 1, 0x7FFF, np.int16)
     for edge in range(boundaries.size):
         limits[edge] = np.int16((boundaries[edge] << 7) - 1)

@@ -221,14 +221,17 @@ def test_round_trip_in_many_groups(rates):
         {0: 0.0},
     ],
 )
-def test_both_select_passes_find_the_same_members(numel, rates):
+@pytest.mark.parametrize("boundaries", [[112, 113, 114, 115, 116, 117], [114]], ids=["seven-edges", "one-edge"])
+def test_both_select_passes_find_the_same_members(numel, rates, boundaries):
     # The decoder's select pass with a bit deposit (where the machine has one) and without
-    # it, on the same ranks: every group, dense and sparse, members at the tensor's end.
+    # it, on the same ranks: every group, dense and sparse, members at the tensor's end;
+    # compiled for seven group edges, and for one (a tensor in two groups).
     generator = torch.Generator().manual_seed(numel + len(rates))
     previous = (torch.randn(numel, generator=generator) * 0.02).to(torch.bfloat16)
     change = exponent_rate_change(generator, previous, rates)
     prev_bits = bits(previous).numpy()
-    boundaries = np.array([112, 113, 114, 115, 116, 117], np.int64)
+    boundaries = np.array(boundaries, np.int64)
+    limits = tuple(np.int16(limit) for limit in compact._limits(boundaries))[: 1 if boundaries.size == 1 else 7]
     counts = compact._group_counts(prev_bits, boundaries)
     group_of = compact._group_table(boundaries)[(prev_bits.astype(np.int64) >> 7) & 0xFF]
     indices = change.indices.long().numpy()
@@ -247,7 +250,9 @@ def test_both_select_passes_find_the_same_members(numel, rates):
     expected_values[order] = (prev_bits[indices[order]].astype(np.int32) + difference).astype(np.int16)  # wrapping
     for select in (compact._select, compact._select_by_deposit):
         positions, values = np.empty(ranks.size, np.int32), np.empty(ranks.size, np.int16)
-        found, members = select(prev_bits, boundaries, ranks, zigzag, ends - changed, ends, counts, positions, values)
+        found, members = select(
+            prev_bits, boundaries, limits, ranks, zigzag, ends - changed, ends, counts, positions, values
+        )
         assert found == ranks.size and np.array_equal(members, counts)
         assert np.array_equal(positions, indices)
         assert np.array_equal(values, expected_values)  # held bits changed by each one's own code
@@ -268,8 +273,9 @@ def test_the_deposit_select_pass_files_no_more_than_its_ranks_when_groups_are_la
     starts, ends = np.array([0, 64], np.int64), np.array([64, 128], np.int64)
     zigzag = np.full(ranks.size, 2, np.uint16)  # +1 on every element
     positions, values = np.full(ranks.size + 1, -1, np.int32), np.zeros(ranks.size + 1, np.int16)
+    limits = (np.int16((100 << 7) - 1),)
     found, members = compact._select_by_deposit(
-        prev_bits, boundaries, ranks, zigzag, starts, ends, claimed, positions[:-1], values[:-1]
+        prev_bits, boundaries, limits, ranks, zigzag, starts, ends, claimed, positions[:-1], values[:-1]
     )
     assert found == ranks.size and positions[-1] == -1  # nothing past the ranks' room
     assert np.all(np.diff(positions[:found]) > 0)

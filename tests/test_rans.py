@@ -406,3 +406,14 @@ def test_version_4_streams_with_one_coder_state_still_decode():
         decoded = decode_changes({"w" + SUFFIX: entry}, {"w": previous}, {"w": (40_000,)}, source="x")["w"]
         assert torch.equal(decoded.indices.long(), change.indices.long()), version
         assert torch.equal(decoded.values.view(torch.int16), change.values.view(torch.int16)), version
+
+
+def test_reference_on_a_tensor_in_two_groups():
+    # A large tensor with few changes, all among its largest weights (an embedding's rows):
+    # two groups, whose passes are compiled for one group edge rather than seven.
+    generator = torch.Generator().manual_seed(3)
+    previous = (torch.randn(300_000, generator=generator) * 0.02).to(torch.bfloat16)
+    change = exponent_rate_change(generator, previous, {0: 0.0, 119: 0.02})
+    stream = encode_changes({"w": change}, {"w": previous})["w" + SUFFIX]
+    assert stream[1] == 2  # groups
+    check_against_reference(previous, change)
