@@ -31,7 +31,7 @@ arithmetic only, so the trainer and every replica build the same ones on any mac
 gap model from the group's size and change count, in 31-bit fixed point; the value model
 from the value table's log-scale bytes). The passes over whole tensors are compiled too
 (numba, cached on disk: the first call in a process loads them in about a second, the very
-first on a machine compiles them in a few). They read 64
+first on a machine compiles them in about a minute on 2 cores). They read 64
 elements at a time into one mask per group boundary (the elements whose exponent is at
 least the boundary, a vector compare: [`delta_sync.bitmasks`]), so that counting a group's
 members is a `popcount`: the encoder reads the previous tensor once and takes each change's
@@ -88,7 +88,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numba
@@ -101,7 +101,7 @@ from .addresses import address_of, on_host, view
 from .bitmasks import FAST_BIT_GATHER, LANES, above, deposit, popcount
 from .changes import Encoding, SparseChange, index_dtype
 from .errors import ApplyError, FormatError
-from .parallel import parallel_map, thread_count
+from .parallel import parallel_map, shares
 
 __all__ = ["ENCODING", "decode_changes", "encode_changes", "entry_names"]
 
@@ -202,7 +202,7 @@ def encode_changes(
         return _encode_batch(names, inputs)
 
     encoded: dict[str, np.ndarray] = {}
-    for part in parallel_map(encode, _shares(changes, lambda name: len(changes[name]))):
+    for part in parallel_map(encode, shares(changes, lambda name: len(changes[name]))):
         encoded.update(part)
     return {entry_names(name)[0]: torch.from_numpy(encoded[name]) for name in sorted(changes)}
 
@@ -255,10 +255,10 @@ def decode_changes(
                 f"{source}: {name!r} is held as {held.dtype} {tuple(held.shape)}, the delta is for bfloat16 {tuple(shape)}"
             )
     decoded: dict[str, SparseChange] = {}
-    shares = _shares(
+    work = shares(
         shapes, lambda name: _work(math.prod(shapes[name]), _CHANGES_PER_BYTE * entries[name + SUFFIX].numel())
     )
-    for part in parallel_map(lambda names: _decode_batch(names, entries, previous, source), shares):
+    for part in parallel_map(lambda names: _decode_batch(names, entries, previous, source), work):
         decoded.update(part)
     return {name: decoded[name] for name in sorted(shapes)}
 
@@ -268,19 +268,6 @@ def _work(numel: int, changes: int) -> int:
     one group is not passed over, and each change costs about `_CHANGE_WORK` elements."""
     grouped = numel >= _MIN_GROUPED_NUMEL and changes >= _MIN_GROUPED_CHANGES
     return (numel if grouped else 0) + _CHANGE_WORK * changes
-
-
-def _shares(names: Iterable[str], size: Callable[[str], int]) -> list[list[str]]:
-    """The names split into one share per thread of similar total `size` (largest first,
-    each to the least loaded share): each share is one compiled call, which returns to
-    Python (and so waits for the GIL) once for all its tensors."""
-    shares: list[list[str]] = [[] for _ in range(thread_count())]
-    loads = [0] * len(shares)
-    for name in sorted(names, key=lambda name: (-size(name), name)):
-        least = loads.index(min(loads))
-        shares[least].append(name)
-        loads[least] += size(name) + 1
-    return [share for share in shares if share]
 
 
 # -- one tensor ------------------------------------------------------------------------------

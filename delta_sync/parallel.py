@@ -15,13 +15,14 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-__all__ = ["THREADS_ENV", "parallel_map", "thread_count"]
+__all__ = ["THREADS_ENV", "parallel_map", "shares", "thread_count"]
 
 T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)
 R = TypeVar("R")
 
 #: Threads `parallel_map` uses, the calling one included (default: the cores this process may run on).
@@ -103,3 +104,22 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
     if failures:
         raise failures[min(failures)]
     return results
+
+
+def shares(keys: Iterable[K], size: Callable[[K], int]) -> list[list[K]]:
+    """`keys` split into at most one share per thread, of similar total `size` (largest
+    first, each to the least loaded share): for work done in one compiled call per share,
+    which returns to Python (and so waits for the GIL) once for all its keys.
+
+    Example:
+        ```python
+        >>> parallel_map(encode_all, shares(changes, lambda name: len(changes[name])))
+        ```
+    """
+    parts: list[list[K]] = [[] for _ in range(thread_count())]
+    loads = [0] * len(parts)
+    for key in sorted(keys, key=lambda key: (-size(key), key)):
+        least = loads.index(min(loads))
+        parts[least].append(key)
+        loads[least] += size(key) + 1
+    return [part for part in parts if part]

@@ -8,13 +8,15 @@ tensors (both single pass, no TensorIterator set-up per call). Other devices use
 snapshot, lists the changed elements with their old and new values, and advances the
 snapshot at those positions only, in one compiled pass (numba) with no full-size
 temporary: the weights are compared 64 elements at a time in one vector compare, fp32
-weights rounded to bf16 on the fly. numba loads the passes from its on-disk cache on
-first use in a process (about a second; compiling them the very first time takes a few).
+weights rounded to bf16 on the fly; [`extract_changes_many_`] does many tensors in one
+compiled call (the detector's path). numba loads the passes from its on-disk cache on
+first use in a process (about a second; compiling them the very first time on a machine takes
+tens of seconds).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numba
 import numpy as np
@@ -23,10 +25,18 @@ from numba import types
 from numba.cpython.unsafe.numbers import trailing_zeros
 from numba.extending import overload
 
-from .addresses import as_bfloat16, memory_of, view
+from .addresses import as_bfloat16, view
 from .bitmasks import LANES, differ, differ_rounded
 
-__all__ = ["changed_positions", "extract_changes_", "extract_changes_batched_", "gather", "scatter_", "scatter_many_"]
+__all__ = [
+    "changed_positions",
+    "extract_changes_",
+    "extract_changes_batched_",
+    "extract_changes_many_",
+    "gather",
+    "scatter_",
+    "scatter_many_",
+]
 
 
 def changed_positions(current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
@@ -148,35 +158,98 @@ def extract_changes_(
         >>> positions, new, old = extract_changes_(param.detach(), snapshot[name])
         ```
     """
-    if not _fast_path(current, snapshot):
-        return None
-    numel = snapshot.numel()
-    # Read by address: on a trainer this runs beside the worker thread, and each torch call
-    # that drops the GIL would wait for it back.
-    snap = memory_of(snapshot, np.int16)
-    position_dtype = np.int32 if index_dtype == torch.int32 else np.int64
-    if current.dtype == torch.bfloat16:
-        cur, nan_bits = memory_of(current, np.int16), np.int16(0)
-    else:
-        cur, nan_bits = memory_of(current, np.int32), np.int16(_NAN_BF16)
+    return extract_changes_many_([(current, snapshot, index_dtype)])[0]
 
-    # Changes are usually a few percent: start there and grow (a full-size buffer would be
-    # a second copy of the model).
+
+def extract_changes_many_(
+    triples: Sequence[tuple[torch.Tensor, torch.Tensor, torch.dtype]],
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+    """[`extract_changes_`] of many tensors: one compiled call for all those the compiled
+    pass takes (per dtype of positions), which returns to Python once rather than once per
+    tensor. Each return waits for the GIL, which on a trainer the training thread holds: on
+    a model of hundreds of tensors, the returns cost more than the small tensors' passes.
+
+    Args:
+        triples: `(current, snapshot, index dtype)` per tensor, as [`extract_changes_`] takes them.
+
+    Returns:
+        Per triple, what [`extract_changes_`] returns for it.
+
+    Example:
+        ```python
+        >>> found = extract_changes_many_([(param.detach(), snapshot[name], torch.int32) for name, param in params])
+        ```
+    """
+    results: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * len(triples)
+    for position_dtype in (np.int32, np.int64):
+        chosen = [
+            i
+            for i, (current, snapshot, index_dtype) in enumerate(triples)
+            if _fast_path(current, snapshot) and (position_dtype == np.int32) == (index_dtype == torch.int32)
+        ]
+        if not chosen:
+            continue
+        # Read by address: on a trainer this runs beside the training thread, and each torch
+        # call that drops the GIL would wait for it back.
+        table = np.array(
+            [
+                [current.data_ptr(), snapshot.data_ptr(), snapshot.numel(), current.dtype == torch.float32]
+                for current, snapshot, _ in (triples[i] for i in chosen)
+            ],
+            np.int64,
+        )
+        # `triples` keeps every tensor alive through the call.
+        positions, new, old = _extract_rows(table, np.empty(0, position_dtype), np.int16(_NAN_BF16 or 0))
+        for i, found in zip(chosen, zip(positions, new, old)):
+            results[i] = (torch.from_numpy(found[0]), as_bfloat16(found[1]), as_bfloat16(found[2]))
+    return results
+
+
+@numba.njit(nogil=True, cache=True)
+def _extract_rows(table, like, nan_bits):
+    """[`_extract`] of every tensor in `table` (per row: the addresses of the weights and of
+    the snapshot, their elements, and 1 where the weights are fp32, 0 where bf16), to the
+    end: `(positions, new, old)`, one array each per row, positions of `like`'s dtype."""
+    positions, new, old = [], [], []
+    for t in range(table.shape[0]):
+        numel = table[t, 2]
+        snapshot = view(table[t, 1], numel, np.int16)
+        if table[t, 3]:
+            found = _extract_all(view(table[t, 0], numel, np.int32), snapshot, like, nan_bits)
+        else:
+            found = _extract_all(view(table[t, 0], numel, np.int16), snapshot, like, np.int16(0))
+        positions.append(found[0])
+        new.append(found[1])
+        old.append(found[2])
+    return positions, new, old
+
+
+@numba.njit(inline="always")
+def _extract_all(current, snapshot, like, nan_bits):
+    """[`_extract`] of one tensor to its end, into buffers that grow as needed: changes are
+    usually a few percent, so they start there (a full-size one would be a second copy of
+    the model)."""
+    numel = snapshot.size
     capacity = max(LANES, numel // 16)
-    chunks, start = [], 0
+    positions = np.empty(capacity, like.dtype)
+    new, old = np.empty(capacity, np.int16), np.empty(capacity, np.int16)
+    count, start = 0, 0
     while True:
-        positions = np.empty(capacity, position_dtype)
-        new, old = np.empty(capacity, np.int16), np.empty(capacity, np.int16)
-        count, start = _extract(cur, snap, start, positions, new, old, nan_bits)
-        chunks.append((positions[:count], new[:count], old[:count]))
+        found, start = _extract(current, snapshot, start, positions[count:], new[count:], old[count:], nan_bits)
+        count += found
         if start >= numel:
-            break
-        capacity = max(LANES, min(numel - start, 2 * capacity))
-    if len(chunks) == 1:
-        positions, new, old = chunks[0]
-    else:
-        positions, new, old = (np.concatenate(parts) for parts in zip(*chunks))
-    return torch.from_numpy(positions), as_bfloat16(new), as_bfloat16(old)
+            return positions[:count], new[:count], old[:count]
+        capacity = count + max(LANES, min(numel - start, capacity))
+        positions = _grown(positions, count, capacity)
+        new, old = _grown(new, count, capacity), _grown(old, count, capacity)
+
+
+@numba.njit(inline="always")
+def _grown(array, count, capacity):
+    """A buffer of `capacity` elements holding the first `count` of `array`."""
+    grown = np.empty(capacity, array.dtype)
+    grown[:count] = array[:count]
+    return grown
 
 
 def _torch_nan_bits() -> int | None:

@@ -376,7 +376,7 @@ def test_threads_share_out_the_tensors_by_the_decoders_work_on_them(monkeypatch)
     monkeypatch.setenv(THREADS_ENV, "2")
     numel = {"lm_head": 8 << 20, "embed": 8 << 20, **{f"layer{i}": 1 << 20 for i in range(8)}}
     changes = {"lm_head": 300_000, "embed": 2_000, **{f"layer{i}": 25_000 for i in range(8)}}
-    shares = compact._shares(numel, lambda name: compact._work(numel[name], changes[name]))
+    shares = compact.shares(numel, lambda name: compact._work(numel[name], changes[name]))
     assert sorted(map(sorted, shares)) == [["embed", *sorted(f"layer{i}" for i in range(8))], ["lm_head"]]
     # A tensor coded in one group is never passed over: only its changes count.
     assert compact._work(1 << 20, 100) == 100 * compact._CHANGE_WORK

@@ -107,6 +107,40 @@ def test_bf16_views_that_start_mid_word_are_compared_exactly(offset):
     assert torch.equal(bits(advanced), bits(current))
 
 
+def test_many_tensors_in_one_call_each_as_alone():
+    """`extract_changes_many_`: bf16 and fp32 weights, int32 and int64 positions, an empty
+    tensor and one the compiled pass declines, in one batch: each result is the tensor's own."""
+    from delta_sync.sparse import extract_changes_many_
+
+    generator = torch.Generator().manual_seed(5)
+    cases = []
+    for numel, dtype, index_dtype, density in (
+        (70_001, torch.float32, torch.int32, 0.03),
+        (1000, torch.bfloat16, torch.int64, 1.0),  # more changes than the first buffer holds
+        (0, torch.bfloat16, torch.int32, 0.0),
+        (4096, torch.bfloat16, torch.int32, 0.2),
+        (65, torch.float32, torch.int64, 0.5),
+    ):
+        base = weights(numel, generator, special=numel > 0)
+        current = base.clone()
+        moved = torch.rand(numel, generator=generator) < density
+        current[moved] += 1e-3 * torch.randn(int(moved.sum()), generator=generator)
+        cases.append((current.to(dtype), base.to(torch.bfloat16), index_dtype))
+    declined = (torch.ones(4, 4, dtype=torch.bfloat16).t(), torch.zeros(16, dtype=torch.bfloat16), torch.int32)
+    cases.insert(2, declined)
+    wanted = [expected(current, snapshot) for current, snapshot, _ in cases]
+    results = extract_changes_many_(cases)
+    assert results[2] is None and torch.equal(bits(declined[1]), torch.zeros(16, dtype=torch.int16))
+    for (current, snapshot, index_dtype), (mask, rounded), found in zip(cases, wanted, results):
+        if current is declined[0]:
+            continue
+        positions, new, old = found
+        assert positions.dtype == index_dtype
+        assert torch.equal(positions.long(), mask.nonzero().squeeze(1))
+        assert torch.equal(bits(new), rounded[mask])
+        assert torch.equal(bits(snapshot), rounded), "the snapshot must hold the new bf16 values"
+
+
 # -- the torch path, many tensors at once --------------------------------------------------
 
 

@@ -13,8 +13,8 @@ from torch import nn
 from ..addresses import on_host
 from ..errors import UnservableModelError
 from ..format import SparseChange, index_dtype
-from ..parallel import parallel_map
-from ..sparse import extract_changes_, extract_changes_batched_
+from ..parallel import parallel_map, shares
+from ..sparse import extract_changes_batched_, extract_changes_many_
 from ..version import sparsity
 from .merged import MergedWeights, check_checkpoint_names, merged_weights
 from .mirror import HostMirror
@@ -344,10 +344,12 @@ class BF16ChangeDetector:
         with self.snapshot_lock:
             names = sorted(self._touched)
             found, declined = {}, {}
-            for name, (result, current) in zip(names, parallel_map(self._extract_compiled, names)):
-                found[name] = result
-                if current is not None:
-                    declined[name] = current
+            by_size = shares(names, lambda name: self._snapshot[name].numel())
+            for share, results in zip(by_size, parallel_map(self._extract_compiled, by_size)):
+                for name, (result, current) in zip(share, results):
+                    found[name] = result
+                    if current is not None:
+                        declined[name] = current
             # What the compiled pass does not take (tensors on a GPU, above all) goes through
             # torch together, with a fixed number of host synchronisations for all of them.
             batch = [(current, self._snapshot[n], self._index_dtype(n)) for n, current in declined.items()]
@@ -381,19 +383,27 @@ class BF16ChangeDetector:
         shard = self._shards[name]
         return index_dtype(math.prod(shard.global_shape)) if shard.whole else torch.int64
 
-    def _extract_compiled(self, name: str) -> tuple[_Found | None, torch.Tensor | None]:
-        """Changed elements of one CPU parameter through the compiled pass, which advances its
-        snapshot at the changes only: `((positions, new, old), None)`; or `(None, current)`
-        when the pass does not apply to it, with the weights it read (computed once: a PEFT
-        model's merged weight costs a matrix product)."""
-        current = local_tensor(self._value(name))  # read by address: no `detach()` call, which drops the GIL
-        snapshot = self._snapshot[name]
-        if current.device.type != "cpu" and snapshot.device.type == "cpu":
-            # A host snapshot of device weights (`snapshot_device="cpu"`): rounded where they
-            # live and copied once (2 bytes an element), then compared by the compiled pass.
-            current = current.detach().to(torch.bfloat16).to("cpu", memory_format=torch.contiguous_format)
-        found = extract_changes_(current, snapshot, self._index_dtype(name))
-        return (found, None) if found is not None else (None, current.detach())
+    def _extract_compiled(self, names: list[str]) -> list[tuple[_Found | None, torch.Tensor | None]]:
+        """Changed elements of CPU parameters through the compiled pass, in one call for all
+        of `names`, which advances their snapshots at the changes only: per name,
+        `((positions, new, old), None)`; or `(None, current)` where the pass does not apply,
+        with the weights it read (computed once: a PEFT model's merged weight costs a matrix
+        product)."""
+        currents = []
+        for name in names:
+            current = local_tensor(self._value(name))  # read by address: no `detach()` call, which drops the GIL
+            if current.device.type != "cpu" and self._snapshot[name].device.type == "cpu":
+                # A host snapshot of device weights (`snapshot_device="cpu"`): rounded where
+                # they live and copied once (2 bytes an element), then compared by the pass.
+                current = current.detach().to(torch.bfloat16).to("cpu", memory_format=torch.contiguous_format)
+            currents.append(current)
+        found = extract_changes_many_(
+            [(current, self._snapshot[name], self._index_dtype(name)) for name, current in zip(names, currents)]
+        )
+        return [
+            (result, None) if result is not None else (None, current.detach())
+            for result, current in zip(found, currents)
+        ]
 
     def _change(
         self, name: str, found: _Found | None
