@@ -592,10 +592,21 @@ def _put_varint(out, at, value):
 def _decode_batch(
     names: list[str], entries: Mapping[str, torch.Tensor], previous: Mapping[str, torch.Tensor], source: str
 ) -> dict[str, SparseChange]:
-    """The changes of the named tensors: their headers read here, the rest in one compiled
-    call (with no torch call per tensor, see [`delta_sync.addresses.on_host`])."""
+    """The changes of the named tensors: their headers read in one compiled call, the rest
+    in another (with no torch call per tensor, see [`delta_sync.addresses.on_host`]).
+
+    A header the compiled reader does not take is read again by [`_Header`], which names
+    what is wrong with it (or reads the rare header the compiled reader leaves to it: a
+    varint of more than 9 bytes)."""
     count = len(names)
-    table = np.zeros((count, 6), np.int64)
+    streams, held = [], []  # what the compiled calls read by address
+    for name in names:
+        entry = entries[name + SUFFIX]
+        if entry.dtype != torch.uint8 or entry.dim() != 1:
+            raise FormatError(f"{source}: {name}{SUFFIX} must be a 1-D uint8 tensor, got {entry.dim()}-D {entry.dtype}")
+        streams.append(on_host(entry).numpy())
+        held.append(on_host(previous[name]))
+    numels = np.array([tensor.numel() for tensor in held], np.int64)
     boundaries = np.zeros((count, _MAX_GROUPS - 1), np.int64)
     groups = np.zeros(count, np.int64)
     changed = np.zeros((count, _MAX_GROUPS), np.int64)
@@ -603,21 +614,14 @@ def _decode_batch(
     sizes = np.zeros((count, _MAX_GROUPS), np.int64)
     members = np.full((count, _MAX_GROUPS), -1, np.int64)  # -1: to be counted (version 3)
     lanes = np.ones(count, np.int64)
-    wide = np.zeros(count, np.bool_)
-    alive, outputs = [], []  # what the compiled call reads and writes by address
-    for t, name in enumerate(names):
-        where = f"{source}: {name}{SUFFIX}"
-        entry = entries[name + SUFFIX]
-        if entry.dtype != torch.uint8 or entry.dim() != 1:
-            raise FormatError(f"{where} must be a 1-D uint8 tensor, got {entry.dim()}-D {entry.dtype}")
-        stream = on_host(entry).numpy()
-        held = on_host(previous[name])
-        numel = held.numel()
-        reader = _Reader(stream, where)
-        header = _Header.read(reader, numel)
+    words = np.zeros((count, 2), np.int64)  # where the coder words start, and how many
+    located = np.array([(address_of(stream), stream.size) for stream in streams], np.int64).reshape(count, 2)
+    read = _read_headers(located, numels, boundaries, groups, members, changed, quantized, sizes, lanes, words)
+    for t in np.flatnonzero(~read):
+        reader = _Reader(streams[t], f"{source}: {names[t]}{SUFFIX}")
+        header = _Header.read(reader, int(numels[t]))
         reader.check_words(header.words)
-        groups[t] = len(header.changed)
-        lanes[t] = header.lanes
+        groups[t], lanes[t], words[t] = len(header.changed), header.lanes, (reader.pos, header.words)
         if header.members is not None:
             members[t, : groups[t]] = header.members
         boundaries[t, : len(header.boundaries)] = header.boundaries
@@ -626,25 +630,27 @@ def _decode_batch(
             if table_bytes is not None:
                 quantized[t, group, : table_bytes.size] = table_bytes
                 sizes[t, group] = table_bytes.size
-        wide[t] = index_dtype(numel) == torch.int64
-        positions = np.empty(sum(header.changed), np.int64 if wide[t] else np.int32)
-        values = np.empty(positions.size, np.int16)
-        table[t] = (
-            address_of(stream) + reader.pos,
-            header.words,
-            held.data_ptr(),
-            numel,
-            address_of(positions),
-            address_of(values),
-        )
-        alive.append((stream, held))
-        outputs.append((positions, values))
+    wide = np.array([index_dtype(numel) == torch.int64 for numel in numels.tolist()], np.bool_)
+    totals = changed.sum(axis=1)
+    outputs = [
+        (np.empty(total, np.int64 if is_wide else np.int32), np.empty(total, np.int16))
+        for total, is_wide in zip(totals.tolist(), wide.tolist())
+    ]
+    table = np.array(
+        [
+            (address + at, words_count, tensor.data_ptr(), numel, address_of(positions), address_of(values))
+            for (address, _), (at, words_count), tensor, numel, (positions, values) in zip(
+                located.tolist(), words.tolist(), held, numels.tolist(), outputs
+            )
+        ],
+        np.int64,
+    ).reshape(count, 6)
     errors = _decode_tensors(table, wide, lanes, groups, boundaries, members, changed, quantized, sizes)
     decoded = {}
     for t, name in enumerate(names):
-        code, group, members = errors[t].tolist()
+        code, group, found = errors[t].tolist()
         if code != rans.OK:
-            message = _decode_error(code, group, int(changed[t, group]), members)
+            message = _decode_error(code, group, int(changed[t, group]), found)
             raise FormatError(f"{source}: {name}{SUFFIX}: {message}")
         positions, values = outputs[t]
         decoded[name] = SparseChange(
@@ -654,6 +660,105 @@ def _decode_batch(
             else torch.empty(0, dtype=torch.bfloat16),
         )
     return decoded
+
+
+@numba.njit(nogil=True, cache=True)
+def _read_headers(located, numels, boundaries, groups, members, changed, quantized, sizes, lanes, words):
+    """The headers of the streams at `located` (per row: address and bytes) into the rows of
+    the other arrays, as [`_Header`] reads them; per stream whether it was read (False: a
+    damaged header, or one for [`_Header`] to read: its fields are then left as they were)."""
+    read = np.zeros(located.shape[0], np.bool_)
+    for t in range(located.shape[0]):
+        data = view(located[t, 0], located[t, 1], np.uint8)
+        read[t] = _read_header(
+            data,
+            numels[t],
+            boundaries[t],
+            members[t],
+            changed[t],
+            quantized[t],
+            sizes[t],
+            groups[t : t + 1],
+            lanes[t : t + 1],
+            words[t],
+        )
+    return read
+
+
+@numba.njit(inline="always")
+def _read_header(data, numel, boundaries, members, changed, quantized, sizes, groups_out, lanes, words):
+    """One header into the given rows (`groups_out[0]` its groups, `lanes[0]` its coder
+    states, `words` where its coder words start and how many): whether it checked out (else
+    the rows hold partial fields)."""
+    if data.size < 2:
+        return False
+    version, groups = np.int64(data[0]), np.int64(data[1])
+    at = 2
+    if version < _READ_VERSIONS[0] or version > _READ_VERSIONS[-1] or groups < 1 or groups > _MAX_GROUPS:
+        return False
+    if at + groups - 1 > data.size:
+        return False
+    previous = np.int64(0)
+    for edge in range(groups - 1):
+        boundary = np.int64(data[at + edge])
+        if boundary <= previous:
+            return False
+        boundaries[edge] = previous = boundary
+    at += groups - 1
+    if version >= 4:
+        rest = numel
+        for group in range(groups - 1):
+            size, at = _read_varint(data, at, rest)
+            if size < 0:
+                return False
+            members[group] = size
+            rest -= size
+        members[groups - 1] = rest
+    total = np.int64(0)
+    for group in range(groups):
+        count, at = _read_varint(data, at, numel - total)
+        if count < 0:
+            return False
+        total += count
+        changed[group] = count
+        if count:
+            if at >= data.size:
+                return False
+            size = np.int64(data[at]) + 1
+            at += 1
+            if size > _CLASSES or at + size > data.size:
+                return False
+            present = False
+            for c in range(size):
+                quantized[group, c] = data[at + c]
+                present |= data[at + c] != 0
+            if not present:
+                return False
+            sizes[group] = size
+            at += size
+    count, at = _read_varint(data, at, numel * 8 + 8)
+    if count < 0 or data.size - at != 4 * count:
+        return False
+    groups_out[0] = groups
+    lanes[0] = _lanes_of(version, total)
+    words[0], words[1] = at, count
+    return True
+
+
+@numba.njit(inline="always")
+def _read_varint(data, at, limit):
+    """`(value, where the next field starts)` of the LEB128 varint at `at`, or -1 where it runs
+    past the data, is above `limit`, or is longer than 9 bytes (left to [`_Reader.varint`])."""
+    value = np.int64(0)
+    for shift in range(0, 63, 7):
+        if at >= data.size:
+            return np.int64(-1), at
+        byte = np.int64(data[at])
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return (value if value <= limit else np.int64(-1)), at
+    return np.int64(-1), at
 
 
 @numba.njit(nogil=True, cache=True)
@@ -1328,7 +1433,8 @@ def _lanes(changed):
     return rans.LANES if total >= _MIN_LANED_CHANGES else 1
 
 
-def _lanes_of(version: int, changes: int) -> int:
+@numba.njit(cache=True)
+def _lanes_of(version, changes):
     """The coder states a stream of `version` with `changes` changes was coded with."""
     least = _MIN_LANED_CHANGES if version >= 5 else _MIN_LANED_CHANGES_V4
     return rans.LANES if changes >= least else 1

@@ -469,6 +469,60 @@ def test_flipped_bytes_never_crash(encoded):
     assert refused > 75
 
 
+def read_both_ways(stream: np.ndarray, numel: int) -> tuple[bool, bool]:
+    """Whether the compiled header reader takes `stream`'s header and whether `_Header` reads
+    it; where both do, the compiled reader's fields are checked against `_Header`'s."""
+    boundaries, members = np.zeros((1, 7), np.int64), np.full((1, 8), -1, np.int64)
+    changed, sizes, quantized = np.zeros((1, 8), np.int64), np.zeros((1, 8), np.int64), np.zeros((1, 8, 28), np.uint8)
+    groups, lanes, words = np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros((1, 2), np.int64)
+    located = np.array([[stream.ctypes.data, stream.size]], np.int64)
+    fields = (boundaries, groups, members, changed, quantized, sizes, lanes, words)
+    read = bool(compact._read_headers(located, np.array([numel]), *fields)[0])
+    reader = compact._Reader(stream, "x")
+    try:
+        header = compact._Header.read(reader, numel)
+        reader.check_words(header.words)
+    except FormatError:
+        return read, False
+    if read:
+        g = len(header.changed)
+        assert groups[0] == g and lanes[0] == header.lanes and words[0].tolist() == [reader.pos, header.words]
+        assert boundaries[0, : g - 1].tolist() == header.boundaries
+        assert members[0, :g].tolist() == (header.members or [-1] * g)
+        assert changed[0, :g].tolist() == header.changed
+        for group, table in enumerate(header.tables):
+            assert sizes[0, group] == (0 if table is None else table.size)
+            if table is not None:
+                assert quantized[0, group, : table.size].tolist() == table.tolist()
+    return read, True
+
+
+def test_the_compiled_header_reader_reads_what_the_python_one_reads(encoded):
+    # The decoder reads headers in compiled code and leaves to `_Header` only those it does
+    # not take: it must take no header `_Header` refuses, and read the same fields.
+    previous, change, stream = encoded
+    streams = [stream.numpy()] + [stream.numpy()[:length] for length in range(60)]
+    generator = np.random.default_rng(9)
+    for _ in range(400):
+        damaged = stream.numpy().copy()
+        damaged[int(generator.integers(0, 48))] = int(generator.integers(0, 256))
+        streams.append(damaged)
+    taken = 0
+    for data in streams:
+        read, readable = read_both_ways(np.ascontiguousarray(data), previous.numel())
+        assert readable or not read, "the compiled reader took a header that _Header refuses"
+        taken += read
+    assert taken > 1  # the undamaged stream, and damaged ones whose header still reads
+    # A change count as a 10-byte varint (of value 0): left to `_Header`, which reads it, and
+    # the stream decodes (to no change: 2 coder words, the one state back at 2^31).
+    long_count = np.array([VERSION, 1, *[0x80] * 9, 0, 2, 0, 0, 0, 0x80, 0, 0, 0, 0], np.uint8)
+    assert read_both_ways(long_count, previous.numel()) == (False, True)
+    decoded = decode_changes(
+        {"w" + SUFFIX: torch.from_numpy(long_count)}, {"w": previous}, {"w": tuple(previous.shape)}, source=SOURCE
+    )
+    assert decoded["w"].indices.numel() == 0
+
+
 def test_appended_bytes_are_refused(encoded):
     previous, _, stream = encoded
     for extra in (1, 3, 4, 8):
