@@ -666,43 +666,38 @@ def _decode_batch(
 def _read_headers(located, numels, boundaries, groups, members, changed, quantized, sizes, lanes, words):
     """The headers of the streams at `located` (per row: address and bytes) into the rows of
     the other arrays, as [`_Header`] reads them; per stream whether it was read (False: a
-    damaged header, or one for [`_Header`] to read: its fields are then left as they were)."""
+    damaged header, or one for [`_Header`] to read, which writes its rows again)."""
     read = np.zeros(located.shape[0], np.bool_)
     for t in range(located.shape[0]):
         data = view(located[t, 0], located[t, 1], np.uint8)
-        read[t] = _read_header(
-            data,
-            numels[t],
-            boundaries[t],
-            members[t],
-            changed[t],
-            quantized[t],
-            sizes[t],
-            groups[t : t + 1],
-            lanes[t : t + 1],
-            words[t],
+        found, states, at, count = _read_header(
+            data, numels[t], boundaries[t], members[t], changed[t], quantized[t], sizes[t]
         )
+        if found:
+            groups[t], lanes[t], words[t, 0], words[t, 1] = found, states, at, count
+            read[t] = True
     return read
 
 
 @numba.njit(inline="always")
-def _read_header(data, numel, boundaries, members, changed, quantized, sizes, groups_out, lanes, words):
-    """One header into the given rows (`groups_out[0]` its groups, `lanes[0]` its coder
-    states, `words` where its coder words start and how many): whether it checked out (else
-    the rows hold partial fields)."""
+def _read_header(data, numel, boundaries, members, changed, quantized, sizes):
+    """One header's per-group fields into the given rows, and `(groups, coder states, where
+    its coder words start, how many)`; groups 0 where it did not check out (the rows then
+    hold partial fields)."""
+    unread = (np.int64(0), np.int64(0), np.int64(0), np.int64(0))
     if data.size < 2:
-        return False
+        return unread
     version, groups = np.int64(data[0]), np.int64(data[1])
-    at = 2
+    at = np.int64(2)
     if version < _READ_VERSIONS[0] or version > _READ_VERSIONS[-1] or groups < 1 or groups > _MAX_GROUPS:
-        return False
+        return unread
     if at + groups - 1 > data.size:
-        return False
+        return unread
     previous = np.int64(0)
     for edge in range(groups - 1):
         boundary = np.int64(data[at + edge])
         if boundary <= previous:
-            return False
+            return unread
         boundaries[edge] = previous = boundary
     at += groups - 1
     if version >= 4:
@@ -710,7 +705,7 @@ def _read_header(data, numel, boundaries, members, changed, quantized, sizes, gr
         for group in range(groups - 1):
             size, at = _read_varint(data, at, rest)
             if size < 0:
-                return False
+                return unread
             members[group] = size
             rest -= size
         members[groups - 1] = rest
@@ -718,31 +713,28 @@ def _read_header(data, numel, boundaries, members, changed, quantized, sizes, gr
     for group in range(groups):
         count, at = _read_varint(data, at, numel - total)
         if count < 0:
-            return False
+            return unread
         total += count
         changed[group] = count
         if count:
             if at >= data.size:
-                return False
+                return unread
             size = np.int64(data[at]) + 1
             at += 1
             if size > _CLASSES or at + size > data.size:
-                return False
+                return unread
             present = False
             for c in range(size):
                 quantized[group, c] = data[at + c]
                 present |= data[at + c] != 0
             if not present:
-                return False
+                return unread
             sizes[group] = size
             at += size
     count, at = _read_varint(data, at, numel * 8 + 8)
     if count < 0 or data.size - at != 4 * count:
-        return False
-    groups_out[0] = groups
-    lanes[0] = _lanes_of(version, total)
-    words[0], words[1] = at, count
-    return True
+        return unread
+    return groups, np.int64(_lanes_of(version, total)), at, count
 
 
 @numba.njit(inline="always")
@@ -812,9 +804,8 @@ def _words(data):
 def _decode_tensor(words, bits, lanes, boundaries, claimed, changed, quantized, sizes, positions_out, values_out):
     """One tensor's changes, coded with `lanes` coder states, into `positions_out` and
     `values_out`: `(error, group, members)` as [`_decode_tensors`] returns them. The groups'
-    sizes are those the header `claimed`
-    (checked against the tensor by the select pass, which counts them as it goes), or
-    counted here first (version 3)."""
+    sizes are those the header `claimed` (checked against the tensor by the select pass,
+    which counts them as it goes), or counted here first (version 3)."""
     if claimed.size == 1:
         counts = np.full(1, bits.size, np.int64)
     elif claimed[0] >= 0:
@@ -1430,7 +1421,7 @@ def _lanes(changed):
     total = 0
     for k in changed:
         total += k
-    return rans.LANES if total >= _MIN_LANED_CHANGES else 1
+    return _lanes_of(_VERSION, total)
 
 
 @numba.njit(cache=True)

@@ -15,14 +15,13 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 __all__ = ["THREADS_ENV", "parallel_map", "shares", "thread_count"]
 
 T = TypeVar("T")
-K = TypeVar("K", bound=Hashable)
 R = TypeVar("R")
 
 #: Threads `parallel_map` uses, the calling one included (default: the cores this process may run on).
@@ -106,7 +105,7 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
     return results
 
 
-def shares(keys: Iterable[K], size: Callable[[K], int]) -> list[list[K]]:
+def shares(keys: Iterable[T], size: Callable[[T], int]) -> list[list[T]]:
     """`keys` split into at most one share per thread, of similar total `size` (largest
     first, each to the least loaded share): for work done in one compiled call per share,
     which returns to Python (and so waits for the GIL) once for all its keys.
@@ -116,7 +115,7 @@ def shares(keys: Iterable[K], size: Callable[[K], int]) -> list[list[K]]:
         >>> parallel_map(encode_all, shares(changes, lambda name: len(changes[name])))
         ```
     """
-    parts: list[list[K]] = [[] for _ in range(thread_count())]
+    parts: list[list[T]] = [[] for _ in range(thread_count())]
     loads = [0] * len(parts)
     for key in sorted(keys, key=lambda key: (-size(key), key)):
         least = loads.index(min(loads))
