@@ -141,6 +141,9 @@ _CHANGES_PER_BYTE = 2
 # states cost 24 bytes, and one state codes a symbol about 2.7x slower than four.
 _MIN_LANED_CHANGES = 1024
 _MIN_LANED_CHANGES_V4 = 16384
+# The decoder's select pass writes out this many changed elements of each 64 without a
+# branch on how many there are (about 2 at a 3% change rate; more go through a loop).
+_UNROLLED = 4
 # At most this many exponent atoms enter the search for group boundaries (coarsened beyond).
 _MAX_ATOMS = 48
 # A group boundary costs a pass over the tensor: it must save more than this many bits per element.
@@ -815,7 +818,7 @@ def _decode_tensor(words, bits, lanes, boundaries, claimed, changed, quantized, 
     for group in range(counts.size):
         if changed[group] > counts[group]:
             return _TOO_MANY_CHANGES, group, counts[group]
-    ranks, zigzag, error = _decode_groups(words, lanes, counts, changed, quantized, sizes)
+    ranks, zigzag, error = _decode_groups(words, lanes, counts, changed, quantized, sizes, positions_out)
     if error != rans.OK:
         return error, 0, 0
     if counts.size == 1:  # one group: a change's rank is its position
@@ -956,8 +959,13 @@ def _select_by_deposit(bits, boundaries, limits, ranks, zigzag, starts, ends, co
     """[`_select`] without a branch per group: each group's wanted ranks as a bitmap of its
     members ([`_rank_bitmaps`]); per 64 elements, the next bits of each group's bitmap, as
     many as it has members here, are deposited onto their positions ([`deposit`]) and the
-    changed elements are the union over the groups. A change's group then comes from its
-    exponent, and its code is the next of its group's."""
+    changed elements are the union over the groups.
+
+    The changed elements among 64 (about two, at random) are written out without a branch
+    on how many there are: always the first `_UNROLLED` of them, their position and held
+    bits (the slots past the last one are written over by the next 64's), and only the
+    rare rest in a loop. A second loop, over the changes, then takes each one's group from
+    its exponent and applies its group's next code."""
     groups = starts.size
     words, bases = _rank_bitmaps(ranks, starts, ends, counts)
     last = words.size - 2  # a group larger than the header claims reads no further
@@ -965,8 +973,8 @@ def _select_by_deposit(bits, boundaries, limits, ranks, zigzag, starts, ends, co
     last_code = np.uint64(max(zigzag.size - 1, 0))
     group_of = _group_table(boundaries)
     masks = _edge_masks(limits)
-    following = starts.copy()
     at = bases[:groups].copy()  # each group's bit for its next member
+    room = ranks.size
     found = 0
     whole = bits.size - bits.size % LANES
     for start in range(0, whole, LANES):
@@ -982,19 +990,30 @@ def _select_by_deposit(bits, boundaries, limits, ranks, zigzag, starts, ends, co
             wanted = (words[word] >> offset) | ((after << np.uint64(1)) << (np.uint64(63) - offset))
             hits |= deposit(wanted, mine)
             at[group] = bit + np.int64(popcount(mine))
-        while hits and found < ranks.size:
+        if found + _UNROLLED <= room:
+            here = np.int64(popcount(hits))
+            for slot in range(_UNROLLED):  # past the last change: element `start`, written over later
+                i = start + np.int64(trailing_zeros(hits) & 63)
+                positions_out[np.uint64(found + slot)] = i
+                values_out[np.uint64(found + slot)] = bits[np.uint64(i)]
+                hits &= hits - np.uint64(1)
+            found += min(here, _UNROLLED)
+        while hits and found < room:
             i = start + trailing_zeros(hits)
-            held = bits[i]
-            group = group_of[(held >> 7) & 0xFF]
-            source = following[group]
             positions_out[np.uint64(found)] = i
-            values_out[np.uint64(found)] = _applied(held, zigzag[min(np.uint64(source), last_code)])
-            following[group] = source + 1
+            values_out[np.uint64(found)] = bits[np.uint64(i)]
             found += 1
             hits &= hits - np.uint64(1)
+    following = starts.copy()
+    for j in range(found):
+        held = values_out[np.uint64(j)]
+        group = group_of[(held >> 7) & 0xFF]
+        source = following[group]
+        values_out[np.uint64(j)] = _applied(held, zigzag[min(np.uint64(source), last_code)])
+        following[group] = source + 1
     for i in range(whole, bits.size):  # the last elements, fewer than 64
         group = group_of[(bits[i] >> 7) & 0xFF]
-        if (words[min(at[group] >> 6, last)] >> np.uint64(at[group] & 63)) & np.uint64(1) and found < ranks.size:
+        if (words[min(at[group] >> 6, last)] >> np.uint64(at[group] & 63)) & np.uint64(1) and found < room:
             positions_out[found] = i
             values_out[found] = _applied(bits[i], zigzag[min(np.uint64(following[group]), last_code)])
             following[group] += 1
@@ -1609,14 +1628,14 @@ def _decode_error(code: int, group: int, changed: int, members: int) -> str:
 
 
 @numba.njit(nogil=True, cache=True)
-def _decode_groups(words, lanes, counts, changed, quantized, sizes):
+def _decode_groups(words, lanes, counts, changed, quantized, sizes, positions):
     """`(ranks, zigzag, error)`: every group's changes (ranks among the group, zigzag values)
     ordered by group, from the words [`_encode_groups`] codes with `lanes` coder states;
-    `error` a `rans` or group error code (`rans.OK` when the stream checked out to its end)."""
-    total = 0
-    for group in range(counts.size):
-        total += changed[group]
-    ranks = np.empty(total, np.int64)
+    `error` a `rans` or group error code (`rans.OK` when the stream checked out to its end).
+    The ranks have the dtype of `positions`, the array their elements' positions go to
+    (as many as the changes): int32 for all but the largest tensors."""
+    total = positions.size
+    ranks = np.empty_like(positions)
     zigzag = np.empty(total, np.uint16)
     ctx, error = rans.decoder_start(words, lanes)
     if error != rans.OK:
@@ -1655,8 +1674,8 @@ def _decode_group(ctx, words, count, k, quantized, ranks, zigzag):
         return rans.BAD_TABLE
     gap_starts = rans.lookup(gaps)
     value_starts = rans.lookup(values)
-    tops = np.empty(coded, np.int64)
-    classes = np.zeros(k, np.int64)
+    tops = np.empty(coded, np.uint8)  # symbols of at most `_TOPS`: escaped tops are in `excess`
+    classes = np.zeros(k, np.uint8)
     if with_classes and not complement:
         error = rans.decode_pairs(ctx, words, gaps, gap_starts, values, value_starts, tops, classes)
     else:
@@ -1685,21 +1704,16 @@ def _decode_group(ctx, words, count, k, quantized, ranks, zigzag):
     error = _decode_chunks(ctx, words, widths, excess)
     if error != rans.OK:
         return error
-    e = 0
-    for j in range(coded):
-        if tops[j] == _TOPS:
-            tops[j] = excess[e] + _TOPS - 1
-            e += 1
     for j in range(k):  # a wide value's bits below its leading one: one chunk (at most 15 bits)
         if classes[j] >= _DIRECT_CLASSES:
-            width = classes[j] - 12
+            width = np.int64(classes[j]) - 12
             value = rans.decode_bits(ctx, words, width)
             if value < 0:
                 return -value
             zigzag[j] = np.uint16(value | (np.int64(1) << width))
         else:
             zigzag[j] = np.uint16(classes[j])
-    return _ranks_of(tops, lows, shift, count, complement, ranks)
+    return _ranks_of(tops, excess, lows, shift, count, complement, ranks)
 
 
 @numba.njit(inline="always")
@@ -1722,17 +1736,23 @@ def _decode_chunks(ctx, words, widths, values):
 
 
 @numba.njit(inline="always")
-def _ranks_of(tops, lows, shift, count, complement, ranks):
+def _ranks_of(tops, excess, lows, shift, count, complement, ranks):
     """Ranks among the group of its changed elements into `ranks`, from the coded gaps
-    (`(top << shift) + low` before each coded element), which are the changed elements or,
-    with `complement`, the others: an error code where they run past the group's `count` members."""
+    (`(top << shift) + low` before each coded element, where a top of `_TOPS` is an escape,
+    `_TOPS - 1` plus the next of `excess`), which are the changed elements or, with
+    `complement`, the others: an error code where they run past the group's `count` members."""
     position = np.int64(-1)
     r = 0
+    e = 0
     for j in range(tops.size):
-        if tops[j] > count >> shift:  # also keeps the shift below from overflowing
+        top = np.int64(tops[j])
+        if top == _TOPS:
+            top = excess[e] + _TOPS - 1
+            e += 1
+        if top > count >> shift:  # also keeps the shift below from overflowing
             return _PAST_GROUP
         low = lows[j] if shift else 0
-        next_position = position + (tops[j] << shift) + low + 1
+        next_position = position + (top << shift) + low + 1
         if next_position >= count:
             return _PAST_GROUP
         if complement:  # the members between two coded ones are the changed ones
