@@ -336,13 +336,15 @@ def _encode_tensor(bits, positions, new_bits, old_bits, patched):
 
     `bits` is the previous tensor or, with `patched`, the tensor after the change, whose
     changed elements had `old_bits` before it."""
-    if positions.size and not _strictly_ascending(positions, bits.size):
-        return np.empty(0, np.uint8)
-    if not patched:
+    if not patched:  # the positions are checked before they are read, else as they are classified
+        if positions.size and not _strictly_ascending(positions, bits.size):
+            return np.empty(0, np.uint8)
         old_bits = bits[positions]
     # One pass over the changes: value codes, their classes, and changes per (exponent, class),
     # from which every choice of the encoder is made.
-    zigzag, classes, class_counts = _classify(new_bits, old_bits)
+    ascending, zigzag, classes, class_counts = _classify(positions, bits.size, new_bits, old_bits)
+    if not ascending:
+        return np.empty(0, np.uint8)
     boundaries = _choose_boundaries(bits, positions, old_bits, class_counts, patched)
     quantized, sizes, changed = _group_tables(class_counts, boundaries)
     if boundaries.size:
@@ -360,8 +362,8 @@ def _encode_tensor(bits, positions, new_bits, old_bits, patched):
             )
     else:  # one group: a change's rank is its position
         counts = np.full(1, bits.size, np.int64)
-        ranks = positions
-    words = _encode_groups(ranks.astype(np.int64), classes, zigzag, counts, changed, quantized, sizes)
+        ranks = positions.astype(np.int64)
+    words = _encode_groups(ranks, classes, zigzag, counts, changed, quantized, sizes)
     return _stream(boundaries, counts, changed, quantized, sizes, words)
 
 
@@ -401,19 +403,27 @@ def _strictly_ascending(indices: np.ndarray, numel: int) -> bool:
 
 
 @numba.njit(nogil=True, cache=True)
-def _classify(new_bits: np.ndarray, old_bits: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`(zigzag values, their classes, changes per (old exponent, class))` in one pass."""
+def _classify(positions, numel, new_bits, old_bits):
+    """`(ascending, zigzag values, their classes, changes per (old exponent, class))` in one
+    pass over the changes: `ascending` whether `positions` are strictly ascending in
+    `[0, numel)` (the rest is meaningless where they are not)."""
     zigzag = np.empty(new_bits.size, np.uint16)
     classes = np.empty(new_bits.size, np.uint8)
     counts = np.zeros((256, _CLASSES), np.int64)
+    previous = np.int64(-1)
+    ascending = True
     for i in range(new_bits.size):
+        # Strictly ascending from above -1, and below `numel` at the end: all in range.
+        position = np.int64(positions[i])
+        ascending &= position > previous
+        previous = position
         diff = np.int16(new_bits[i] - old_bits[i])  # wraps, as the bit patterns do
         code = np.uint16((np.int32(diff) << 1) ^ (np.int32(diff) >> 15))
         value_class = _class_of(code)
         zigzag[i] = code
         classes[i] = value_class
         counts[(old_bits[i] >> 7) & 0xFF, value_class] += 1
-    return zigzag, classes, counts
+    return ascending and previous < numel, zigzag, classes, counts
 
 
 @numba.njit(inline="always")
@@ -489,7 +499,7 @@ def _rank_changes(bits, boundaries, indices, old_bits, classes, zigzag, changed,
     numel = bits.size
     groups = counts.size
     group_of = _group_table(boundaries)
-    ranks = np.empty(indices.size, indices.dtype)
+    ranks = np.empty(indices.size, np.int64)
     sorted_classes = np.empty_like(classes)
     sorted_zigzag = np.empty_like(zigzag)
     slots = np.zeros(groups, np.int64)

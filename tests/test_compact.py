@@ -405,11 +405,17 @@ def test_encoder_refuses_misaligned_old_values():
         encode_changes({"w": change}, {"w": previous}, old_values={"w": previous[:3]})
 
 
-def test_encoder_refuses_unsorted_indices():
+@pytest.mark.parametrize("indices", [[3, 2], [2, 2], [-1, 4], [4, 10], [5, 1 << 30, 6]])
+@pytest.mark.parametrize("patched", [False, True], ids=["previous", "advanced+old_values"])
+def test_encoder_refuses_indices_not_strictly_ascending_in_range(indices, patched):
+    # The encoder checks the positions before it reads the previous tensor at them, or, given
+    # the old values, as it classifies the changes: either way a ValueError, nothing read out of range.
     previous = torch.zeros(10, dtype=torch.bfloat16)
-    change = SparseChange(indices=torch.tensor([3, 2], dtype=torch.int32), values=torch.ones(2, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="ascending"):
-        encode_changes({"w": change}, {"w": previous})
+    values = torch.ones(len(indices), dtype=torch.bfloat16)
+    change = SparseChange(indices=torch.tensor(indices, dtype=torch.int32), values=values)
+    old_values = {"w": torch.zeros(len(indices), dtype=torch.bfloat16)} if patched else None
+    with pytest.raises(ValueError, match="strictly ascending"):
+        encode_changes({"w": change}, {"w": previous}, old_values=old_values)
 
 
 # -- damaged streams --------------------------------------------------------------------------------
