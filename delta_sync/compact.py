@@ -1461,14 +1461,6 @@ def _lanes_of(version, changes):
 
 
 @numba.njit(inline="always")
-def _put(starts, freqs, scales, at, start, freq, scale):
-    starts[at] = start
-    freqs[at] = freq
-    scales[at] = scale
-    return at + 1
-
-
-@numba.njit(inline="always")
 def _bit_length_less_one(value):
     width = -1
     while value:
@@ -1495,6 +1487,9 @@ def _encode_groups(ranks, classes, zigzag, counts, changed, quantized, sizes):
     escaped tops' excess (`top - _TOPS + 1`) as its bit length less one (6 bits) and then
     the bits below its leading one (chunked); the bits below the leading one of each wide
     value (class 16 and up; chunked).
+
+    The coder takes the symbols last to first: they are put as they are made, group by
+    group from the last ([`_put_group`]), with no array of them in between.
     """
     groups = counts.size
     # Symbols of each group, at most: a top and its low chunks per coded element; a class per
@@ -1508,73 +1503,95 @@ def _encode_groups(ranks, classes, zigzag, counts, changed, quantized, sizes):
             shift = _gap_shift(counts[group], coded) if coded else 0
             escapes = min(coded, counts[group] // (_TOPS << shift))
             capacity += coded * (1 + _chunks(shift)) + 2 * k + 4 * escapes
-    starts = np.empty(capacity, np.int32)
-    freqs = np.empty(capacity, np.int32)
-    scales = np.empty(capacity, np.int8)
-    at = 0
-    first = 0
-    for group in range(groups):
+    lanes = _lanes(changed)
+    out, run = rans.encoder_start(capacity, lanes)
+    end = ranks.size
+    for group in range(groups - 1, -1, -1):
         k = changed[group]
         if k == 0:
             continue
-        count = counts[group]
-        complement = 2 * k > count
-        coded = count - k if complement else k
-        group_ranks = ranks[first : first + k]
-        group_classes = classes[first : first + k]
-        group_zigzag = zigzag[first : first + k]
-        first += k
-        values = _class_table(quantized[group, : sizes[group]])
-        with_classes = sizes[group] > 1
-        gaps, shift = _gap_table(count, coded) if coded else (_NO_GAPS, 0)
-        tops, lows, excess = _position_tops(group_ranks, count, complement, shift)
-        if complement:
-            for j in range(coded):
-                at = _put(starts, freqs, scales, at, gaps[tops[j]], gaps[tops[j] + 1] - gaps[tops[j]], rans.PRECISION)
-            if with_classes:
-                for j in range(k):
-                    c = group_classes[j]
-                    at = _put(starts, freqs, scales, at, values[c], values[c + 1] - values[c], rans.PRECISION)
+        first = end - k
+        group_ranks, group_classes, group_zigzag = ranks[first:end], classes[first:end], zigzag[first:end]
+        table = quantized[group, : sizes[group]]
+        # The coder's lanes rotate as constants (registers) in each of the two copies.
+        if lanes == rans.LANES:
+            run = _put_group(out, run, group_ranks, group_classes, group_zigzag, counts[group], table, rans.LANES)
         else:
-            for j in range(coded):
-                at = _put(starts, freqs, scales, at, gaps[tops[j]], gaps[tops[j] + 1] - gaps[tops[j]], rans.PRECISION)
-                if with_classes:
-                    c = group_classes[j]
-                    at = _put(starts, freqs, scales, at, values[c], values[c + 1] - values[c], rans.PRECISION)
-        for offset in range(0, shift, _CHUNK_BITS):
-            bits = min(shift - offset, _CHUNK_BITS)
-            for j in range(coded):
-                at = _put(starts, freqs, scales, at, (lows[j] >> offset) & ((np.int64(1) << bits) - 1), 1, bits)
-        widths = np.empty(excess.size, np.int64)
-        for e in range(excess.size):
-            widths[e] = _bit_length_less_one(excess[e])
-            at = _put(starts, freqs, scales, at, widths[e], 1, 6)
-        at = _put_chunks(starts, freqs, scales, at, excess, widths)
-        # A wide value has at most 15 bits below its leading one: one chunk, in the changes' order.
-        for j in range(k):
-            if group_classes[j] >= _DIRECT_CLASSES:
-                width = np.int64(group_classes[j]) - 12
-                at = _put(starts, freqs, scales, at, np.int64(group_zigzag[j]) & ((np.int64(1) << width) - 1), 1, width)
-    return rans.encode(starts[:at], freqs[:at], scales[:at], _lanes(changed))
+            run = _put_group(out, run, group_ranks, group_classes, group_zigzag, counts[group], table, 1)
+        end = first
+    return rans.encoder_finish(out, run, lanes)
 
 
 @numba.njit(inline="always")
-def _put_chunks(starts, freqs, scales, at, values, widths):
-    """The `widths` bits below the leading one of `values`, as raw chunks: all first chunks, then all second ones, ..."""
+def _put_group(out, run, ranks, classes, zigzag, count, quantized, lanes):
+    """The coder's run after putting one group's symbols (see [`_encode_groups`]), last to first."""
+    k = ranks.size
+    complement = 2 * k > count
+    coded = count - k if complement else k
+    values = _class_table(quantized)
+    with_classes = quantized.size > 1
+    gaps, shift = _gap_table(count, coded) if coded else (_NO_GAPS, 0)
+    tops, lows, excess = _position_tops(ranks, count, complement, shift)
+    # The run in locals through the loops: a tuple carried from one iteration to the next
+    # compiled to slower code (see `rans._encode_symbols`).
+    a, b, c, d, at = run
+    # A wide value has at most 15 bits below its leading one: one chunk, in the changes' order.
+    for j in range(k - 1, -1, -1):
+        if classes[j] >= _DIRECT_CLASSES:
+            width = np.int64(classes[j]) - 12
+            a, b, c, d, at = rans.encoder_put(
+                out, (a, b, c, d, at), np.int64(zigzag[j]) & ((np.int64(1) << width) - 1), 1, width, lanes
+            )
+    widths = np.empty(excess.size, np.int64)
     widest = 0
-    for width in widths:
-        widest = max(widest, width)
-    for offset in range(0, widest, _CHUNK_BITS):
-        for i in range(values.size):
-            if widths[i] > offset:
-                bits = min(widths[i] - offset, _CHUNK_BITS)
-                at = _put(starts, freqs, scales, at, (values[i] >> offset) & ((np.int64(1) << bits) - 1), 1, bits)
-    return at
+    for e in range(excess.size):
+        widths[e] = _bit_length_less_one(excess[e])
+        widest = max(widest, widths[e])
+    # The bits below each escape's leading one, chunk by chunk (all first chunks, then all second ones, ...).
+    for offset in range((_chunks(widest) - 1) * _CHUNK_BITS, -1, -_CHUNK_BITS):
+        for e in range(excess.size - 1, -1, -1):
+            if widths[e] > offset:
+                bits = min(widths[e] - offset, _CHUNK_BITS)
+                a, b, c, d, at = rans.encoder_put(
+                    out, (a, b, c, d, at), (excess[e] >> offset) & ((np.int64(1) << bits) - 1), 1, bits, lanes
+                )
+    for e in range(excess.size - 1, -1, -1):
+        a, b, c, d, at = rans.encoder_put(out, (a, b, c, d, at), widths[e], 1, 6, lanes)
+    for offset in range((_chunks(shift) - 1) * _CHUNK_BITS, -1, -_CHUNK_BITS):
+        bits = min(shift - offset, _CHUNK_BITS)
+        for j in range(coded - 1, -1, -1):
+            a, b, c, d, at = rans.encoder_put(
+                out, (a, b, c, d, at), (lows[j] >> offset) & ((np.int64(1) << bits) - 1), 1, bits, lanes
+            )
+    if complement:
+        if with_classes:
+            for j in range(k - 1, -1, -1):
+                v = classes[j]
+                a, b, c, d, at = rans.encoder_put(
+                    out, (a, b, c, d, at), values[v], values[v + 1] - values[v], rans.PRECISION, lanes
+                )
+        for j in range(coded - 1, -1, -1):
+            t = tops[j]
+            a, b, c, d, at = rans.encoder_put(
+                out, (a, b, c, d, at), gaps[t], gaps[t + 1] - gaps[t], rans.PRECISION, lanes
+            )
+    else:
+        for j in range(coded - 1, -1, -1):
+            if with_classes:
+                v = classes[j]
+                a, b, c, d, at = rans.encoder_put(
+                    out, (a, b, c, d, at), values[v], values[v + 1] - values[v], rans.PRECISION, lanes
+                )
+            t = tops[j]
+            a, b, c, d, at = rans.encoder_put(
+                out, (a, b, c, d, at), gaps[t], gaps[t + 1] - gaps[t], rans.PRECISION, lanes
+            )
+    return a, b, c, d, at
 
 
 @numba.njit(nogil=True, cache=True)
 def _position_tops(ranks, count, complement, shift):
-    """The coded fields of one group's positions, in one pass: `(tops, lows, excess)`.
+    """The coded fields of one group's positions: `(tops, lows, excess)`.
 
     The coded elements are the changed ones (`ranks`, ascending) or, with `complement`, the
     group's other members. For each, the gap since the previous one splits into its top
@@ -1585,21 +1602,25 @@ def _position_tops(ranks, count, complement, shift):
     tops = np.empty(coded, np.int64)
     lows = np.empty(coded if shift else 0, np.int64)
     excess = np.empty(coded, np.int64)
+    if complement:
+        # The gap before the m-th unchanged member is the changes with m unchanged members
+        # below them (rank less index): counted without a branch on the data (walking the
+        # members instead took one per run of changes, at random), into two counts in
+        # turn, as consecutive changes mostly add to the same one. Those after the last
+        # unchanged member count at `coded`, which is not coded.
+        between = np.zeros((2, coded + 1), np.int64)
+        for j in range(ranks.size):
+            between[j & 1, min(np.int64(ranks[j]) - j, coded)] += 1
     escaped = 0
     mask = (np.int64(1) << shift) - 1
     previous = np.int64(-1)
-    r = 0
-    position = np.int64(-1)
     for j in range(coded):
-        if complement:  # the next member that is not among the ranks
-            position += 1
-            while r < ranks.size and ranks[r] == position:
-                position += 1
-                r += 1
+        if complement:
+            gap = between[0, j] + between[1, j]
         else:
             position = np.int64(ranks[j])
-        gap = position - previous - 1
-        previous = position
+            gap = position - previous - 1
+            previous = position
         top = gap >> shift
         if shift:
             lows[j] = gap & mask
@@ -1729,7 +1750,7 @@ def _decode_group(ctx, words, count, k, quantized, ranks, zigzag):
 @numba.njit(inline="always")
 def _decode_chunks(ctx, words, widths, values):
     """Values of `widths[i] + 1` bits into `values`: their leading one, and the bits below it
-    read chunk by chunk as [`_put_chunks`] codes them."""
+    read chunk by chunk as [`_put_group`] codes them."""
     widest = 0
     for width in widths:
         widest = max(widest, width)

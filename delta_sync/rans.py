@@ -224,6 +224,8 @@ def encode(starts: np.ndarray, freqs: np.ndarray, scales: np.ndarray, lanes: int
     `2^scales[i]`, for every `i`, in the order a decoder reads them.
 
     A table symbol has `scales[i] == PRECISION`; a raw `b`-bit value `v` is `(v, 1, b)`.
+    Compiled callers that make their symbols as they go put them one at a time instead
+    ([`encoder_start`]).
 
     Args:
         starts: int64 range starts.
@@ -234,54 +236,80 @@ def encode(starts: np.ndarray, freqs: np.ndarray, scales: np.ndarray, lanes: int
     Returns:
         uint32 words (the layout in the module's docstring).
     """
-    # Each symbol emits at most one word (a state below 2^63 shifted once is below 2^31).
-    out = np.empty(starts.size + 2 * lanes, np.uint32)
+    out, run = encoder_start(starts.size, lanes)
     # One loop per lane count, each compiled with its count as a constant: the rotation of
     # the states is then register moves, not a branch per symbol.
     if lanes == 4:
-        at, a, b, c, d = _encode_symbols(starts, freqs, scales, out, 4)
+        run = _encode_symbols(starts, freqs, scales, out, run, 4)
     elif lanes == 3:
-        at, a, b, c, d = _encode_symbols(starts, freqs, scales, out, 3)
+        run = _encode_symbols(starts, freqs, scales, out, run, 3)
     elif lanes == 2:
-        at, a, b, c, d = _encode_symbols(starts, freqs, scales, out, 2)
+        run = _encode_symbols(starts, freqs, scales, out, run, 2)
     else:
-        at, a, b, c, d = _encode_symbols(starts, freqs, scales, out, 1)
+        run = _encode_symbols(starts, freqs, scales, out, run, 1)
+    return encoder_finish(out, run, lanes)
+
+
+@numba.njit(inline="always")
+def _encode_symbols(starts, freqs, scales, out, run, lanes):
+    # The run's fields in locals through the loop: numba compiles a tuple carried from one
+    # iteration to the next to code that took 1.5x as long a symbol.
+    a, b, c, d, at = run
+    for k in range(starts.size):
+        # Unsigned indices: numba checks a signed one for a negative value on every access.
+        i = np.uint64(starts.size - 1 - k)
+        a, b, c, d, at = encoder_put(out, (a, b, c, d, at), starts[i], freqs[i], scales[i], lanes)
+    return a, b, c, d, at
+
+
+# An encoder's position is a run `(a, b, c, d, at)`: `a` the state of the next symbol's lane
+# (symbols go last to first, so the lanes after it are those below it: symbol i's is
+# i % lanes), `b`, `c`, `d` those of the lanes before it, and where in `out` the last word
+# written starts. All lanes start at _LOW, so which is which needs no setting up.
+
+
+@numba.njit(inline="always")
+def encoder_start(symbols, lanes):
+    """`(out, run)`: the words of an encoder for at most `symbols` symbols on `lanes` states,
+    and its run before the last symbol; put the symbols last to first ([`encoder_put`])."""
+    # Each symbol emits at most one word (a state below 2^63 shifted once is below 2^31).
+    out = np.empty(symbols + 2 * lanes, np.uint32)
+    return out, (_LOW, _LOW, _LOW, _LOW, np.uint64(out.size))
+
+
+@numba.njit(inline="always")
+def encoder_put(out, run, start, freq, scale, lanes):
+    """The run after coding the symbol before those already put (as [`encode`] codes
+    `(start, freq, scale)`), with `lanes` a constant where the caller can make it one."""
+    a, b, c, d, at = run
+    freq = np.int64(freq)
+    scale = np.int64(scale)
+    # state >= ((2^31 >> scale) << 32) * freq, which would overflow where freq == 2^scale.
+    # The word is written whether or not it is emitted: an unemitted one is overwritten.
+    emit = (a >> np.int64(32)) >= (_LOW >> scale) * freq
+    out[at - np.uint64(1)] = np.uint32(a & _WORD_MASK)
+    at -= np.uint64(emit)
+    state = (a >> np.int64(32)) if emit else a
+    if freq == 1:  # raw bits: no division
+        a = (state << scale) + np.int64(start)
+    else:
+        quotient, remainder = _divide(state, freq, scale)
+        a = (quotient << scale) + remainder + np.int64(start)
+    a, b, c, d = _rotate(a, b, c, d, lanes)
+    return a, b, c, d, at
+
+
+@numba.njit(inline="always")
+def encoder_finish(out, run, lanes):
+    """The words of an encoder whose every symbol was put: the final states, then the words."""
+    a, b, c, d, at = run
+    at = np.int64(at)
     states = (a, b, c, d)  # now those of lanes `lanes - 1`, `lanes - 2`, ...
     for lane in range(lanes):
         at -= 2
         out[at] = np.uint32(states[lane] & _WORD_MASK)
         out[at + 1] = np.uint32(states[lane] >> np.int64(32))
     return out[at:].copy()
-
-
-@numba.njit(inline="always")
-def _encode_symbols(starts, freqs, scales, out, lanes):
-    """`(at, a, b, c, d)`: every symbol coded, last to first, into the words of `out` below
-    its end, from `at` on; the lanes' final states, that of lane `lanes - 1` first."""
-    count = starts.size
-    # Unsigned indices: numba checks a signed one for a negative value on every access.
-    at = np.uint64(out.size)
-    # The lanes' states in registers, `a` that of the next symbol's lane (symbol i's is
-    # i % lanes; they go last to first, so the lanes after it are those below). All start
-    # at _LOW, so which is which needs no setting up.
-    a = b = c = d = _LOW
-    for k in range(count):
-        i = np.uint64(count - 1 - k)
-        freq = np.int64(freqs[i])
-        scale = np.int64(scales[i])
-        # state >= ((2^31 >> scale) << 32) * freq, which would overflow where freq == 2^scale.
-        # The word is written whether or not it is emitted: an unemitted one is overwritten.
-        emit = (a >> np.int64(32)) >= (_LOW >> scale) * freq
-        out[at - np.uint64(1)] = np.uint32(a & _WORD_MASK)
-        at -= np.uint64(emit)
-        state = (a >> np.int64(32)) if emit else a
-        if freq == 1:  # raw bits: no division
-            a = (state << scale) + starts[i]
-        else:
-            quotient, remainder = _divide(state, freq, scale)
-            a = (quotient << scale) + remainder + starts[i]
-        a, b, c, d = _rotate(a, b, c, d, lanes)
-    return np.int64(at), a, b, c, d
 
 
 # -- decoder ---------------------------------------------------------------------------------
