@@ -19,7 +19,9 @@ value, so callers check what they decode (a delta's checksums do).
 Every function here is compiled (`nogil=True`, cached on disk), so numba code calls them
 directly; the decoding ones return an error code (`OK` on success, see [`error_message`])
 rather than raise, so compiled callers can stop and report. [`encode`] and [`Decoder`]
-are the Python entry points.
+are the Python entry points; a compiled caller that makes its symbols as it goes puts them
+to the coder one at a time, last to first ([`encoder_start`], [`encoder_put`],
+[`encoder_finish`]), with no arrays of them in between.
 
 The costs of a symbol are kept off its lane's chain of dependent operations, so that the
 lanes overlap: the encoder divides by a float multiplication with an exact integer
