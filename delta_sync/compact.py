@@ -1603,9 +1603,9 @@ def _position_tops(ranks, count, complement, shift):
     lows = np.empty(coded if shift else 0, np.int64)
     excess = np.empty(coded, np.int64)
     if complement:
-        # The gap before the m-th unchanged member is the changes with m unchanged members
-        # below them (rank less index): counted without a branch on the data (walking the
-        # members instead took one per run of changes, at random), into two counts in
+        # The gap before the m-th unchanged member is the number of changes with m unchanged
+        # members below them (rank less index): counted without a branch on the data
+        # (walking the members took one per run of changes, at random), into two counts in
         # turn, as consecutive changes mostly add to the same one. Those after the last
         # unchanged member count at `coded`, which is not coded.
         between = np.zeros((2, coded + 1), np.int64)
