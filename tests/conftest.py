@@ -61,9 +61,12 @@ def seeded():
 
 
 class PublishedRun:
-    """A short training run published to a local bucket, with the bf16 state of each version."""
+    """A short training run published to a local bucket, with the bf16 state of each version;
+    `options` go to its `Publisher` (a `signing_key`)."""
 
-    def __init__(self, root, *, versions: int = 5, anchor_every: int = 3, keep_anchors: int = 2, lr: float = 1e-4):
+    def __init__(
+        self, root, *, versions: int = 5, anchor_every: int = 3, keep_anchors: int = 2, lr: float = 1e-4, **options
+    ):
         from delta_sync import BF16ChangeDetector, Publisher
 
         torch.manual_seed(0)
@@ -79,6 +82,7 @@ class PublishedRun:
             anchor_bytes_ratio=None,
             keep_anchors=keep_anchors,
             background=False,
+            **options,
         )
         self.states: dict[int, dict[str, torch.Tensor]] = {}
         self.version = 0

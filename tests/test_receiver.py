@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
 
 import pytest
 import torch
@@ -16,10 +17,15 @@ from delta_sync.errors import (
     BucketPathError,
     FormatError,
     IntegrityError,
+    OversizedFileError,
+    ReplayError,
     UntrustedBucketError,
 )
 from delta_sync.format import Delta, SparseChange, write_delta
-from delta_sync.layout import anchor_path, delta_path
+from delta_sync.layout import LATEST, anchor_path, delta_path
+from delta_sync.replica.shared import NodeStore
+from delta_sync.signing import SigningKey
+from delta_sync.storage.cache import DownloadCache
 
 from conftest import (
     PublishedRun,
@@ -84,14 +90,18 @@ def test_missing_delta_falls_back_to_the_newest_anchor(run):
 # -- refusals ----------------------------------------------------------------------------
 
 
-@pytest.fixture
-def at_v3(run):
-    receiver, replica = replica_receiver()
+def replica_at_v3(run, **kwargs):
+    receiver, replica = replica_receiver(**kwargs)
     receiver.update(run.root, anchor_path(1))
     receiver.update(run.root, delta_path(2))
     receiver.update(run.root, delta_path(3))
     assert_bit_exact(run.states[3], bf16_state(replica))
     return receiver, replica
+
+
+@pytest.fixture
+def at_v3(run):
+    return replica_at_v3(run)
 
 
 def craft(run, tmp_path, edit, version: int = 4) -> str:
@@ -268,6 +278,174 @@ def test_untrusted_bucket_is_refused(run, tmp_path):
         receiver.update(run.root)
     trusted, _ = replica_receiver(allowed_buckets=[run.root.as_uri()])
     assert trusted.update(run.root).version == 5
+
+
+def damage(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x40  # inside the last tensor's bytes
+    path.write_bytes(bytes(data))
+
+
+def pointer_with(root, **fields) -> None:
+    """Rewrite the bucket's latest.json with `fields` changed (unsigned: a writer without the key)."""
+    latest = json.loads((root / LATEST).read_bytes())
+    (root / LATEST).write_text(json.dumps({**latest, **fields}))
+
+
+def malformed_delta(run, tmp_path):
+    damage(run.root / delta_path(4))
+    receiver, replica = replica_at_v3(run)
+    return receiver, replica, lambda: receiver.update(run.root, delta_path(4))
+
+
+def malformed_delta_on_a_catch_up(run, tmp_path):
+    damage(run.root / delta_path(5))
+    receiver, replica = replica_at_v3(run)
+    return receiver, replica, lambda: receiver.update(run.root)
+
+
+def crafted(case):
+    def setup(run, tmp_path):
+        receiver, replica = replica_at_v3(run)
+        path = craft(run, tmp_path, EDITS[case][0])
+        return receiver, replica, lambda: receiver.update(run.root, path)
+
+    return setup
+
+
+def wrong_base_version(run, tmp_path):
+    receiver, replica = replica_at_v3(run)
+    return receiver, replica, lambda: receiver.update(run.root, delta_path(5))
+
+
+def path_escaping_the_prefix(run, tmp_path):
+    receiver, replica = replica_at_v3(run)
+    return receiver, replica, lambda: receiver.update(run.root, "../bucket/" + delta_path(4))
+
+
+def untrusted_bucket(run, tmp_path):
+    receiver, replica = replica_at_v3(run, allowed_buckets=[run.root.as_uri()])
+    copy = shutil.copytree(run.root, tmp_path / "copy")
+    return receiver, replica, lambda: receiver.update(copy)
+
+
+def oversized_file(run, tmp_path):
+    receiver, replica = replica_at_v3(run)
+    with open(run.root / delta_path(4), "r+b") as handle:
+        handle.truncate(1 << 40)  # sparse: far larger than a delta of every element
+    return receiver, replica, lambda: receiver.update(run.root, delta_path(4))
+
+
+def pointer_with_other_weights_at_the_held_version(run, tmp_path):
+    receiver, replica = replica_at_v3(run)
+    pointer_with(
+        run.root, version=3, anchor_version=1, anchor=anchor_path(1), delta=delta_path(3), model_checksum="0" * 16
+    )
+    return receiver, replica, lambda: receiver.update(run.root)
+
+
+def pointer_past_the_buckets_files(run, tmp_path):
+    receiver, replica = replica_at_v3(run)
+    pointer_with(run.root, version=9, delta=delta_path(9))
+    return receiver, replica, lambda: receiver.update(run.root)
+
+
+def replayed_pointer_with_a_key(run, tmp_path):
+    key = SigningKey.generate()
+    signed = PublishedRun(tmp_path / "signed", versions=3, signing_key=key)
+    older = (signed.root / LATEST).read_bytes()
+    signed.step()
+    signed.close()
+    receiver, replica = replica_receiver(verify_key=key.verify_key, cache=DownloadCache(tmp_path / "cache"))
+    assert receiver.update(signed.root).version == 4
+    (signed.root / LATEST).write_bytes(older)  # genuinely signed, and older
+    return receiver, replica, lambda: receiver.update(signed.root)
+
+
+REFUSALS = {
+    "malformed delta": (malformed_delta, FormatError, re.escape(delta_path(4)) + ": payload digest"),
+    "malformed delta on a catch-up": (
+        malformed_delta_on_a_catch_up,
+        FormatError,
+        re.escape(delta_path(5)) + ": payload digest",
+    ),
+    "unknown parameter": (crafted("unknown parameter"), ApplyError, "unknown parameter 'body.9.weight'"),
+    "wrong base version": (wrong_base_version, BaseVersionError, "applies on top of version 4, but version 3 is held"),
+    "bad checksum": (crafted("checksum mismatch"), IntegrityError, "would not reproduce the trainer's weights"),
+    "path escaping the prefix": (path_escaping_the_prefix, BucketPathError, r"must not contain '\.\.'"),
+    "untrusted bucket": (untrusted_bucket, UntrustedBucketError, "is not on this receiver's allow list"),
+    "oversized file": (oversized_file, OversizedFileError, re.escape(delta_path(4)) + ": 1,099,511,627,776 bytes"),
+    "pointer naming other weights at the held version": (
+        pointer_with_other_weights_at_the_held_version,
+        FormatError,
+        re.escape(delta_path(3)) + ": model_checksum [0-9a-f]{16}, but the bucket's latest.json names "
+        "model_checksum 0{16} for version 3",
+    ),
+    "pointer past the bucket's files": (
+        pointer_past_the_buckets_files,
+        ApplyError,
+        re.escape(LATEST) + ": names version 9, but the bucket holds no file of it",
+    ),
+    "replayed pointer with a key": (replayed_pointer_with_a_key, ReplayError, "an old latest.json was put back"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_a_refusal_keeps_the_held_weights_and_the_reported_version(run, tmp_path, case):
+    setup, error, message = REFUSALS[case]
+    receiver, replica, request = setup(run, tmp_path)
+    reported = receiver.version, receiver.model_checksum
+    held = {name: t.clone() for name, t in receiver.weights.items()}
+    served = bf16_state(replica)
+    with pytest.raises(error, match=message):
+        request()
+    assert receiver.pending is None
+    assert (receiver.version, receiver.model_checksum) == reported
+    assert_bit_exact(held, receiver.weights)
+    assert_bit_exact(served, bf16_state(replica))
+
+
+def test_a_pointer_naming_other_weights_at_the_held_version_is_refused_and_forgotten(tmp_path):
+    # Without a key anyone who can write the bucket can write latest.json. The replica's v8
+    # was checked when it was applied; the bucket's own v8 file contradicts the pointer.
+    run = PublishedRun(tmp_path / "bucket", versions=8, anchor_every=3, keep_anchors=10)  # anchors 1, 4, 7
+    receiver, replica = replica_receiver()
+    assert receiver.update(run.root).version == 8
+    genuine = (run.root / LATEST).read_bytes()
+    pointer_with(run.root, model_checksum="0" * 16)
+    for request in (lambda: receiver.update(run.root), lambda: receiver.update(run.root, delta_path(8))):
+        with pytest.raises(FormatError, match=re.escape(delta_path(8)) + ": model_checksum .* latest.json names "):
+            request()
+        assert receiver.version == 8
+        assert_bit_exact(run.states[8], receiver.weights)
+        assert_bit_exact(run.states[8], bf16_state(replica))
+    # Nothing was distrusted: with the trainer's pointer back, the replica is in step.
+    (run.root / LATEST).write_bytes(genuine)
+    assert receiver.update(run.root).noop
+    run.step()
+    assert receiver.update(run.root, delta_path(9)).applied == (f"{run.root.as_uri()}/{delta_path(9)}",)
+    assert_bit_exact(run.states[9], bf16_state(replica))
+    run.close()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["private snapshot", "node snapshot"])
+def test_a_catch_up_failing_after_its_anchor_drops_the_version_only_from_a_private_snapshot(run, tmp_path, shared):
+    # The one documented exception: deltas 4 and 5 damaged, so the catch-up from v3 to v6
+    # takes anchor 4 and fails on delta 5, after the anchor replaced the snapshot's v3.
+    run.step()
+    store = {"store": NodeStore(tmp_path / "snapshots")} if shared else {}
+    receiver, replica = replica_at_v3(run, **store)
+    damage(run.root / delta_path(4))
+    damage(run.root / delta_path(5))
+    with pytest.raises(FormatError, match=re.escape(delta_path(5)) + ": payload digest"):
+        receiver.update(run.root)
+    assert_bit_exact(run.states[3], bf16_state(replica))  # the model is never touched
+    if shared:
+        assert receiver.version == 3
+    else:
+        assert receiver.version is None and receiver.model_checksum is None
+        with pytest.raises(BaseVersionError, match="load an anchor before a delta"):
+            receiver.update(run.root, delta_path(6))
 
 
 def test_failing_load_weights_rolls_back(run, at_v3):

@@ -690,7 +690,7 @@ class Receiver:
             scratch = PendingUpdate(self, served=self._held)
             with self._store.session(opened.url, self.expected_shapes):
                 latest = self._read_latest(opened)
-                self._follow(latest)
+                self._follow(opened, latest)
                 self._catch_up(opened, scratch, latest)
                 held = self._store.held
             if scratch.applied:
@@ -734,7 +734,7 @@ class Receiver:
         applied = len(pending.applied)
         with self._store.session(bucket.url, self.expected_shapes):
             latest = self._read_latest(bucket)
-            self._follow(latest)
+            self._follow(bucket, latest)
             if path is None:
                 self._catch_up(bucket, pending, latest)
                 version = None
@@ -825,7 +825,7 @@ class Receiver:
             )
         return result
 
-    def _follow(self, latest: Latest) -> None:
+    def _follow(self, bucket: Bucket, latest: Latest) -> None:
         """Notice when what the snapshot holds is not on the bucket's trajectory: another
         run, an abandoned start of this one, a version past the bucket's pointer, or the
         pointer's version with other weights. Only an anchor of the bucket's may then replace it."""
@@ -839,6 +839,10 @@ class Receiver:
         elif held.version > latest.version:
             problem = f"version {held.version} is held, but the bucket's latest.json names {latest.version}"
         elif held.version == latest.version and held.model_checksum != latest.model_checksum:
+            # The held weights were checked when they were applied: reload from an anchor (a
+            # diverged replica recovers) only if the bucket's own file of that version agrees
+            # with the pointer; a pointer it contradicts is refused with nothing changed.
+            self._check_version_file(bucket, latest, version_files(bucket.list("deltas"), "delta"))
             problem = f"version {held.version} is held with other weights than the bucket's latest.json names"
         else:
             return
@@ -872,6 +876,10 @@ class Receiver:
             usable = sorted(v for v in anchors if v <= latest.version)
             if not usable:
                 raise BucketFileNotFoundError(f"{bucket.url}: no anchor at or before version {latest.version}")
+            if self._store.held is not None and usable[-1] < latest.version:
+                # A private snapshot cannot undo an anchor: a pointer that its version's file
+                # contradicts is refused while the version held is still in place.
+                self._check_version_file(bucket, latest, deltas)
             logger.info("delta-sync: catching up from anchor v%d", usable[-1])
             self._prepare_path(bucket, anchors[usable[-1]], pending, latest)
             self._prepare_chain(bucket, deltas, usable[-1], pending, latest)
@@ -884,6 +892,17 @@ class Receiver:
                 f"{bucket.url}: catch-up reached version {latest.version} with weights {held.model_checksum} of "
                 f"run {held.id.run_id}, but latest.json names {latest.model_checksum} of run {latest.run_id}"
             )
+
+    def _check_version_file(self, bucket: Bucket, latest: Latest, deltas: Mapping[int, str]) -> None:
+        """Refuse `latest` unless the bucket holds a file of its version (a delta, else an
+        anchor) that names its weights."""
+        path = deltas.get(latest.version) or version_files(bucket.list("anchors"), "anchor").get(latest.version)
+        if path is None:
+            raise ApplyError(
+                f"{bucket.url}/{LATEST}: names version {latest.version}, but the bucket holds no file of it"
+            )
+        with self.open_version(bucket, path, namespace=_namespace(latest)) as file:
+            _check_against_latest(file.header, latest)
 
     def _prepare_chain(
         self, bucket: Bucket, deltas: dict[int, str], after: int, pending: PendingUpdate, latest: Latest
@@ -1289,7 +1308,8 @@ def _namespace(latest: Latest) -> str:
 
 
 def _check_against_latest(header: FileHeader, latest: Latest) -> None:
-    """A file is never ahead of the bucket's pointer, nor of another trajectory than it."""
+    """A file is never ahead of the bucket's pointer, nor of another trajectory than it, nor
+    of its version with other weights."""
     if header.version > latest.version:
         raise FormatError(
             f"{header.source}: claims version {header.version}, past the bucket's latest.json ({latest.version})"
@@ -1298,6 +1318,12 @@ def _check_against_latest(header: FileHeader, latest: Latest) -> None:
         raise ApplyError(
             f"{header.source}: belongs to run {header.run_id} (epoch {header.epoch or '-'}), but the bucket's "
             f"latest.json is from run {latest.run_id} (epoch {latest.epoch or '-'})"
+        )
+    if header.part is None and header.version == latest.version and header.model_checksum != latest.model_checksum:
+        raise FormatError(
+            f"{header.source}: model_checksum {header.model_checksum}, but the bucket's latest.json names "
+            f"model_checksum {latest.model_checksum} for version {latest.version}: one of the two is not the "
+            "trainer's; refused"
         )
 
 
