@@ -50,6 +50,7 @@ from delta_sync import DeltaSyncCallback, Receiver, expected_shapes_of, module_w
 from delta_sync.integrity import model_checksum, tensor_checksum
 from delta_sync.layout import step_versions
 from delta_sync.signing import SigningKey
+from delta_sync.trainer.checkpoint import CheckpointLayout
 
 PROMPTS = [
     f"{subject} {verb} the"
@@ -80,6 +81,7 @@ class ReplicaCheck(TrainerCallback):
             expected_shapes=expected_shapes_of(replica),
             verify_key=signing_key.verify_key if signing_key else None,
         )
+        self.checkpoint: CheckpointLayout | None = None
         self.checked: list[tuple[int, bool]] = []
         self.server_checked: list[tuple[int, bool]] = []
         #: (version, error) for every version a server refused or failed to reach.
@@ -89,13 +91,19 @@ class ReplicaCheck(TrainerCallback):
         version = state.global_step
         if self.sync.publisher is None or self.sync.publisher.last_version != version:
             return
-        trainer_bits = {name: p.detach().to(torch.bfloat16) for name, p in model.named_parameters()}
+        trainer_params = {name: p.detach().to(torch.bfloat16) for name, p in model.named_parameters()}
+        trainer_bits = self._checkpoint_of(model, trainer_params)
         self.sync.publisher.flush()
         self.receiver.update(self.bucket)
-        exact = all(
+        # The bucket holds the trainer's checkpoint (what save_pretrained writes); the replica
+        # loads it into its own run-time parameters, which must equal the trainer's.
+        exact = sorted(trainer_bits) == sorted(self.receiver.weights) and all(
             torch.equal(bits.view(torch.int16), self.receiver.weights[name].view(torch.int16))
-            and torch.equal(bits.view(torch.int16), self.replica.get_parameter(name).view(torch.int16))
             for name, bits in trainer_bits.items()
+        )
+        exact = exact and all(
+            torch.equal(bits.view(torch.int16), self.replica.get_parameter(name).view(torch.int16))
+            for name, bits in trainer_params.items()
         )
         self.checked.append((version, exact))
         if not exact:
@@ -107,9 +115,15 @@ class ReplicaCheck(TrainerCallback):
         # With max_staleness > 0 replicas may lag during training; DeltaSyncCallback has
         # waited for the last version by now.
         if self.sync.replicas is not None and self.sync.config.max_staleness > 0:
-            self._check_server(
-                state.global_step, {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
-            )
+            params = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
+            self._check_server(state.global_step, self._checkpoint_of(model, params))
+
+    def _checkpoint_of(self, model: torch.nn.Module, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The trainer's weights as its checkpoint names and lays them out (fused MoE experts
+        cut into the checkpoint's per-expert tensors), through transformers' own conversion."""
+        if self.checkpoint is None:
+            self.checkpoint = CheckpointLayout.of(model)
+        return self.checkpoint.values(params)
 
     def _check_server(self, version: int, trainer_bits: dict[str, torch.Tensor]) -> None:
         expected = model_checksum({name: tensor_checksum(bits) for name, bits in trainer_bits.items()})

@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import math
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -139,21 +140,38 @@ class ModuleWeightLoader:
     """Copies tensors into a module's parameters by name: whole, or only the elements that
     changed (a [`ShapedWeightLoader`] and a [`PatchingWeightLoader`]).
 
+    Names are the checkpoint's: for a transformers model that keeps another layout at run
+    time (fused MoE experts, renamed prefixes), each checkpoint tensor is copied into its
+    part of the run-time parameter, as transformers' own conversion mapping places it (see
+    `delta_sync.trainer.checkpoint.CheckpointLayout`).
+
     Args:
         module: The module to load into.
     """
 
     def __init__(self, module: nn.Module) -> None:
         self._params = dict(module.named_parameters())
-        self.expected_shapes = expected_shapes_of(module)
+        self._layout = _checkpoint_layout(module)
+        self.expected_shapes = (
+            {name: tuple(p.shape) for name, p in self._params.items()}
+            if self._layout is None
+            else dict(self._layout.shapes)
+        )
 
     def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         self.load_patches([WeightPatch(name, tensor, None) for name, tensor in weights])
 
+    def _target(self, name: str) -> torch.Tensor | None:
+        """The tensor a checkpoint tensor is copied into: its parameter, or its part of one."""
+        if self._layout is None:
+            return self._params.get(name)
+        box = self._layout.boxes.get(name)
+        return None if box is None else box.view(self._params[box.source].detach())
+
     def load_patches(self, patches: list[WeightPatch]) -> None:
         # Check every tensor before copying any, so a mismatch never half-loads the module.
         for patch in patches:
-            param = self._params.get(patch.name)
+            param = self._target(patch.name)
             if param is None or param.shape != patch.tensor.shape:
                 shape = None if param is None else list(param.shape)
                 raise ApplyError(
@@ -161,11 +179,22 @@ class ModuleWeightLoader:
                 )
         with torch.no_grad():
             for patch in patches:
-                param = self._params[patch.name]
+                param = self._target(patch.name)
                 if patch.positions is None or not param.is_contiguous():
                     param.copy_(patch.tensor)
                 else:
                     param.view(-1)[patch.positions] = patch.tensor.reshape(-1)[patch.positions].to(param.dtype)
+
+
+def _checkpoint_layout(module: nn.Module):
+    """The checkpoint layout of a transformers model whose checkpoint is not its parameters
+    as they are, else None (with no transformers imported, nothing can be a transformers model)."""
+    if "transformers" not in sys.modules:
+        return None
+    from ..trainer.checkpoint import CheckpointLayout
+
+    layout = CheckpointLayout.of(module)
+    return None if layout.identity else layout
 
 
 def module_weight_loader(module: nn.Module) -> ModuleWeightLoader:
@@ -1381,5 +1410,10 @@ def _normalise_url(url: str) -> str:
 
 
 def expected_shapes_of(module: nn.Module) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> shape of a module, the `expected_shapes` of a [`Receiver`] feeding it."""
+    """Checkpoint name -> shape of a module's weights, the `expected_shapes` of a [`Receiver`]
+    feeding it: its parameters, or for a transformers model with another run-time layout
+    (fused MoE experts), the tensors its checkpoint holds."""
+    layout = _checkpoint_layout(module)
+    if layout is not None:
+        return dict(layout.shapes)
     return {name: tuple(p.shape) for name, p in module.named_parameters()}

@@ -16,28 +16,12 @@ from ..format import SparseChange, index_dtype
 from ..parallel import parallel_map, shares
 from ..sparse import extract_changes_batched_, extract_changes_many_
 from ..version import sparsity
-from .merged import MergedWeights, check_checkpoint_names, merged_weights
+from .checkpoint import CheckpointLayout, canonical_name, check_checkpoint_names
+from .merged import MergedWeights, merged_weights
 from .mirror import HostMirror
 from .sharding import ModelLayout, describe_model, local_tensor
 
 __all__ = ["BF16ChangeDetector", "ChangeSet", "canonical_name", "inner_optimizer"]
-
-# Segments that wrappers insert into parameter names: DDP / Accelerate (`module`),
-# torch.compile (`_orig_mod`), FSDP1 and activation checkpointing. The names we publish
-# are the checkpoint names vLLM's `load_weights` expects, so these must go.
-_WRAPPER_SEGMENTS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
-
-
-def canonical_name(name: str) -> str:
-    """Checkpoint name of a parameter, without wrapper segments such as `module.`.
-
-    Example:
-        ```python
-        >>> canonical_name("module._orig_mod.model.layers.0.mlp.up_proj.weight")
-        'model.layers.0.mlp.up_proj.weight'
-        ```
-    """
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
 
 
 def inner_optimizer(optimizer: object) -> torch.optim.Optimizer | None:
@@ -70,6 +54,10 @@ _Found = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 class ChangeSet:
     """The bf16 elements that changed since the previous `BF16ChangeDetector.changes()` call.
 
+    Names, shapes and positions are the parameters' (wrapper segments dropped): where the
+    checkpoint lays a model out otherwise (fused MoE experts), the publisher maps them
+    through the detector's [`CheckpointLayout`] (`BF16ChangeDetector.checkpoint`).
+
     Args:
         changes: Parameter name -> changed elements (CPU tensors). Parameters with no
             changed element are absent.
@@ -77,7 +65,7 @@ class ChangeSet:
             (CPU), aligned with `changes[name].indices`.
         steps: Optimizer steps taken since the previous call.
         total_elements: Elements in all tracked parameters.
-        shapes: Parameter name -> shape of the full (checkpoint) tensor.
+        shapes: Parameter name -> shape of the full parameter (all ranks together).
         local_indices: For parameters this rank holds a block of (sharded models), the
             changed elements' flat positions inside the block, aligned with
             `changes[name].indices` (which are positions in the full tensor).
@@ -123,6 +111,12 @@ class BF16ChangeDetector:
     would leave it, and a step that touches an adapter marks its merged weight. A
     transformers model whose names are not its checkpoint's is refused.
 
+    What is published is the model's checkpoint, as `save_pretrained` writes it: the
+    detector tracks parameters as they are at run time, and [`checkpoint`] (a
+    [`CheckpointLayout`], derived once from transformers' conversion mapping) says where
+    each checkpoint tensor lies in them, e.g. each expert's `gate_proj.weight` in a fused
+    `mlp.experts.gate_up_proj`.
+
     Memory: the snapshot (2 bytes per element this rank holds) plus, while [`changes`]
     runs, the changed elements (CPU tensors are compared in one compiled pass with no
     full-size temporary; others through one parameter's mask and bf16 copy at a time);
@@ -146,7 +140,9 @@ class BF16ChangeDetector:
             unsupported `DTensor` placements, ZeRO-3 offloaded to NVMe, ...).
         UnservableModelError: Its parameter names are not its checkpoint's (an unknown
             wrapper), or it is a PEFT model merged mode cannot publish exactly (see
-            `delta_sync.trainer.merged.MergedWeights`), or a sharded PEFT model.
+            `delta_sync.trainer.merged.MergedWeights`), or a sharded PEFT model, or
+            transformers converts its checkpoint in a way that is no box of one parameter
+            (see [`CheckpointLayout.of`]), or it is sharded and has fused MoE experts.
 
     Example:
         ```python
@@ -184,6 +180,12 @@ class BF16ChangeDetector:
                 "a sharded PEFT model (FSDP2, DeepSpeed ZeRO-3) cannot be published in merged mode yet: "
                 "train it with DDP or ZeRO-1/2, or merge the adapter before training"
             )
+        #: Where each checkpoint tensor lies in the parameters (see `delta_sync.trainer.checkpoint`):
+        #: what is published is named, shaped and laid out as `save_pretrained` writes it.
+        self.checkpoint: CheckpointLayout = CheckpointLayout.of(
+            model if self.merged is None else self.merged.root, self.layout.shapes
+        )
+        self.checkpoint.published_layout(self.layout)  # refuses what cannot be published, before any step
         self._shards = self.layout.shards
         self._snapshot = {name: self._bf16_copy(self._value(name)) for name in self._shards}
         if host_mirror is None:

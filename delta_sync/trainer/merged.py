@@ -9,22 +9,19 @@ adapts, the weight `peft`'s `merge_and_unload()` would leave there: the base wei
 each active adapter's `get_delta_weight`, added in the base weight's dtype exactly as
 `peft`'s `merge()` adds it, so the bits are `peft`'s own. The base weights never change
 during LoRA training, so only adapted modules' merged weights can.
-
-[`check_checkpoint_names`] refuses, at train begin, a transformers model whose
-parameter names are not its checkpoint's (an unknown wrapper inserted segments).
 """
 
 from __future__ import annotations
 
-import copy
 import logging
-from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from ..errors import UnservableModelError
+from .checkpoint import canonical_name, check_checkpoint_names
 
+# `check_checkpoint_names` lives in `checkpoint`; named here too, where it used to be.
 __all__ = ["MergedWeights", "check_checkpoint_names", "merged_weights"]
 
 logger = logging.getLogger("delta_sync")
@@ -77,8 +74,6 @@ class MergedWeights:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        from .detector import canonical_name
-
         classes = _peft_classes()
         if classes is None:
             raise UnservableModelError("MergedWeights needs peft installed (pip install peft)")
@@ -197,55 +192,3 @@ def merged_weights(model: nn.Module) -> MergedWeights | None:
     if not any(isinstance(module, classes[:3]) for module in model.modules()):
         return None
     return MergedWeights(model)
-
-
-def check_checkpoint_names(names: Iterable[str], model: nn.Module) -> None:
-    """Refuse a transformers model whose published names are not its checkpoint's.
-
-    The checkpoint's names are those of the model's class built afresh from its config
-    (on the meta device: nothing is allocated). A model that is no `transformers`
-    `PreTrainedModel` and holds none is not checked: nothing says what its checkpoint
-    names are.
-
-    Args:
-        names: The names that would be published (wrapper segments such as `module.`
-            already dropped, PEFT names already mapped).
-        model: The module those names are relative to.
-
-    Raises:
-        UnservableModelError: A name is not the checkpoint's; the message names it and
-            the options.
-    """
-    from transformers import PreTrainedModel
-
-    found = next(
-        ((path, module) for path, module in model.named_modules() if isinstance(module, PreTrainedModel)), None
-    )
-    if found is None:
-        return
-    _, pretrained = found
-    try:
-        with torch.device("meta"):
-            # A copy: building a model may adjust its config (e.g. the attention implementation).
-            fresh = type(pretrained)(copy.deepcopy(pretrained.config))
-    except Exception as error:  # a model class that cannot be rebuilt from its config alone
-        logger.warning(
-            "delta-sync: cannot rebuild %s from its config to check parameter names (%s); publishing them as they are",
-            type(pretrained).__name__,
-            error,
-        )
-        return
-    # The checkpoint's names are the transformers model's own: whatever holds it may add
-    # only the wrapper segments `canonical_name` drops (`module.`, `_orig_mod.`, ...).
-    expected = {name for name, _ in fresh.named_parameters()}
-    unknown = sorted(name for name in names if name not in expected)
-    if unknown:
-        example = sorted(expected)[0] if expected else "(none)"
-        raise UnservableModelError(
-            f"parameter {unknown[0]!r} (and {len(unknown) - 1} more) is not a parameter of the "
-            f"{type(pretrained).__name__} checkpoint a replica serves (whose names are like {example!r}): a wrapper "
-            "around the model changed its parameter names, and replicas could not load what would be published. "
-            "Publish the unwrapped transformers model (the wrappers delta-sync knows are DDP, Accelerate, "
-            "torch.compile, FSDP2, DeepSpeed, activation checkpointing and PEFT LoRA), or publish with a "
-            "BF16ChangeDetector over a module named like the checkpoint"
-        )

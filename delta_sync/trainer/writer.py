@@ -22,7 +22,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -271,7 +271,10 @@ class VersionWriter(PointerWriter):
     ) -> None:
         super().__init__(bucket, signing_key=signing_key, bucket_id=bucket_id, rank=ranks.rank)
         self.detector = detector
-        self.layout = detector.layout
+        #: The checkpoint each version is written as: the detector tracks run-time parameters,
+        #: files hold checkpoint tensors (see `delta_sync.trainer.checkpoint`).
+        self.checkpoint = detector.checkpoint
+        self.layout = self.checkpoint.published_layout(detector.layout)
         self.parted = self.layout.sharded
         self._ranks = ranks
         self._schedule = schedule
@@ -361,13 +364,14 @@ class VersionWriter(PointerWriter):
         the other ranks learn of it in the same exchange instead of waiting for this rank
         forever.
         """
-        result = _RankResult(changed={n: len(c) for n, c in job.change_set.changes.items()})
+        change_set = self._in_checkpoint(job.change_set)
+        result = _RankResult(changed={n: len(c) for n, c in change_set.changes.items()})
         staged: list[_Staged] = []
         try:
             if earlier_failure is not None:  # an earlier version failed here: this one is dropped
                 raise PublishError(f"dropped after an earlier failure: {earlier_failure}")
             if job.plan.delta:
-                staged += self._encode_delta(job.version, job.change_set)
+                staged += self._encode_delta(job.version, change_set)
             if job.plan.anchor:
                 staged += self._encode_anchor(job.version, check_chain=job.plan.delta)
             # Everything this version needs of the snapshot is encoded: training moves on
@@ -388,6 +392,30 @@ class VersionWriter(PointerWriter):
                 file.local.unlink(missing_ok=True)
         result.checksums = dict(self._checksums)
         return result
+
+    def _in_checkpoint(self, change_set: ChangeSet) -> ChangeSet:
+        """A detector's changes (in run-time parameters) as changes of checkpoint tensors:
+        positions mapped, old values kept aligned; O(changed elements)."""
+        if self.checkpoint.identity:
+            return change_set
+        changes, old_values = self.checkpoint.map_changes(change_set.changes, change_set.old_values)
+        return replace(
+            change_set,
+            changes=changes,
+            old_values=old_values,
+            shapes=dict(self.layout.shapes),
+            local_indices=self.checkpoint.rename(change_set.local_indices),
+        )
+
+    def _host_values(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """Checkpoint tensors `names` (default: all this rank publishes) from the detector's
+        host snapshot: views of it, copied only where a checkpoint tensor is permuted."""
+        if self.checkpoint.identity:
+            return self.detector.host_snapshot(names)
+        if names is None:
+            names = [name for name in self.layout.shards]
+        names = list(names)
+        return self.checkpoint.values(self.detector.host_snapshot(self.checkpoint.sources(names)), names)
 
     def _encode_delta(self, version: int, change_set: ChangeSet) -> list[_Staged]:
         assert self._stored_version is not None and self._anchor_version is not None
@@ -424,7 +452,7 @@ class VersionWriter(PointerWriter):
         # values a replica cuts out of the full tensors it holds.
         changes, previous = change_set.changes, None
         if self.encoding == Encoding.COMPACT:
-            previous = self.detector.host_snapshot(changes)
+            previous = self._host_values(changes)
             if self.parted:
                 shards = self.layout.shards
                 changes = {
@@ -446,7 +474,7 @@ class VersionWriter(PointerWriter):
 
     def _encode_anchor(self, version: int, *, check_chain: bool) -> list[_Staged]:
         shards = self.layout.shards
-        tensors = self.detector.host_snapshot()
+        tensors = self._host_values()
         self._check_publishable(version, tensors)
         checksums = dict(
             zip(

@@ -1,0 +1,285 @@
+"""The checkpoint a bucket holds is what `save_pretrained` writes: names, shapes and layout,
+also for models that transformers keeps in another layout at run time (fused MoE experts,
+renamed prefixes). Tiny random-init models of each family, nothing downloaded."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from delta_sync import BF16ChangeDetector, Publisher, Receiver, expected_shapes_of, module_weight_loader, verify_bucket
+from delta_sync.errors import UnservableModelError
+from delta_sync.format import SparseChange
+from delta_sync.trainer.checkpoint import CheckpointLayout
+
+transformers = pytest.importorskip("transformers")
+core = pytest.importorskip("transformers.core_model_loading")
+
+_ATTENTION = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 96}
+
+
+def _qwen3():
+    return transformers.Qwen3ForCausalLM(
+        transformers.Qwen3Config(hidden_size=32, intermediate_size=48, num_hidden_layers=2, **_ATTENTION)
+    )
+
+
+def _llama():
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, **_ATTENTION)
+    )
+
+
+#: Four experts, two per token, in each of two layers.
+_MOE = {
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "moe_intermediate_size": 16,
+    "num_hidden_layers": 2,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+}
+
+
+def _qwen3_moe():
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**_MOE, **_ATTENTION))
+
+
+def _qwen2_moe():
+    """With a shared expert beside the routed ones."""
+    config = transformers.Qwen2MoeConfig(shared_expert_intermediate_size=24, **_MOE, **_ATTENTION)
+    return transformers.Qwen2MoeForCausalLM(config)
+
+
+def _mixtral():
+    config = transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_local_experts=4, **_ATTENTION
+    )
+    return transformers.MixtralForCausalLM(config)
+
+
+def _gemma3_text():
+    config = transformers.Gemma3TextConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, **_ATTENTION)
+    return transformers.Gemma3ForCausalLM(config)
+
+
+def _transposed_moe():
+    """Qwen3-MoE with a conversion whose checkpoint tensors are transposed boxes of the fused
+    experts (as `qwen3_vl_moe`'s `Transpose` gives): positions need sorting per box."""
+    model = _qwen3_moe()
+    model._weight_conversions = [
+        core.WeightConverter(
+            source_patterns=["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"],
+            target_patterns="mlp.experts.gate_up_proj",
+            operations=[core.MergeModulelist(dim=0), core.Concatenate(dim=1), core.Transpose(1, 2)],
+        ),
+        core.WeightConverter(
+            source_patterns="mlp.experts.*.down_proj.weight",
+            target_patterns="mlp.experts.down_proj",
+            operations=[core.MergeModulelist(dim=0)],
+        ),
+    ]
+    return model
+
+
+FAMILIES = {
+    "qwen3": _qwen3,
+    "llama": _llama,
+    "qwen3_moe": _qwen3_moe,
+    "qwen2_moe": _qwen2_moe,
+    "mixtral": _mixtral,
+    "gemma3_text": _gemma3_text,
+    "transposed_moe": _transposed_moe,
+}
+FUSED = {"qwen3_moe", "qwen2_moe", "mixtral", "transposed_moe"}
+
+
+def build(family: str, seed: int = 0):
+    torch.manual_seed(seed)
+    return FAMILIES[family]().to(torch.bfloat16)
+
+
+def saved(model, directory) -> dict[str, torch.Tensor]:
+    """What `save_pretrained` writes for the model."""
+    model.save_pretrained(directory)
+    return load_file(str(directory / "model.safetensors"))
+
+
+def assert_same_checkpoint(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
+    assert sorted(expected) == sorted(actual)
+    for name, tensor in expected.items():
+        assert tuple(actual[name].shape) == tuple(tensor.shape), name
+        assert torch.equal(actual[name].view(torch.int16), tensor.view(torch.int16)), f"{name} differs"
+
+
+def runtime_tensors(model) -> dict[str, torch.Tensor]:
+    return {name: param.detach() for name, param in model.named_parameters()}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_layout_values_are_save_pretrained(family, tmp_path):
+    model = build(family)
+    layout = CheckpointLayout.of(model)
+    assert layout.identity == (family not in FUSED)
+    values = layout.values(runtime_tensors(model))
+    assert_same_checkpoint(saved(model, tmp_path), values)
+    assert layout.shapes == {name: tuple(tensor.shape) for name, tensor in values.items()}
+
+
+@pytest.mark.parametrize("family", sorted(FUSED))
+def test_changed_positions_map_to_checkpoint_positions(family):
+    model = build(family)
+    layout = CheckpointLayout.of(model)
+    before = runtime_tensors(model)
+    generator = torch.Generator().manual_seed(1)
+    after, changes, old_values = {}, {}, {}
+    for name, tensor in before.items():
+        count = max(1, tensor.numel() // 7)
+        positions = torch.randperm(tensor.numel(), generator=generator)[:count].sort().values.to(torch.int32)
+        changed = tensor.clone()
+        # A new bit pattern at every chosen element: flip its lowest mantissa bit.
+        changed.view(-1).view(torch.int16)[positions.long()] ^= 1
+        after[name] = changed
+        changes[name] = SparseChange(positions, changed.view(-1)[positions.long()])
+        old_values[name] = tensor.reshape(-1)[positions.long()]
+    mapped, mapped_old = layout.map_changes(changes, old_values)
+    converted_before = core.revert_weight_conversion(model, dict(before))
+    converted_after = core.revert_weight_conversion(model, dict(after))
+    assert sum(len(change) for change in mapped.values()) == sum(len(change) for change in changes.values())
+    for name, change in mapped.items():
+        indices = change.indices.long()
+        assert change.indices.dtype == torch.int32
+        assert bool((indices[1:] > indices[:-1]).all()), f"{name}: positions not ascending"
+        new, old = converted_after[name].reshape(-1), converted_before[name].reshape(-1)
+        assert torch.equal(new[indices].view(torch.int16), change.values.view(torch.int16)), name
+        assert torch.equal(old[indices].view(torch.int16), mapped_old[name].view(torch.int16)), name
+        # Exactly these elements differ in the converted tensors.
+        differing = (new.view(torch.int16) != old.view(torch.int16)).nonzero().reshape(-1)
+        assert torch.equal(differing, indices), name
+    untouched = [name for name in converted_before if name not in mapped]
+    for name in untouched:
+        assert torch.equal(converted_before[name].view(torch.int16), converted_after[name].view(torch.int16))
+
+
+def _train(model, optimizer, steps: int, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        tokens = torch.randint(0, model.config.vocab_size, (2, 12), generator=generator)
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("encoding", ["raw", "compact"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "transposed_moe", "qwen3"])
+def test_bucket_replays_to_save_pretrained(family, encoding, tmp_path):
+    model = build(family)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    detector = BF16ChangeDetector(model, optimizer)
+    bucket = tmp_path / "bucket"
+    # Anchors at versions 1 and 4 (with a delta: the chain's checksums are checked against it).
+    publisher = Publisher(
+        bucket, detector, anchor_every=3, anchor_bytes_ratio=None, background=False, encoding=encoding
+    )
+    # A replica that follows every version (through the deltas), a transformers model that
+    # loads the checkpoint into its own run-time layout.
+    replica = build(family, seed=1)
+    follower = Receiver(load_weights=module_weight_loader(replica), expected_shapes=expected_shapes_of(replica))
+    for version in range(1, 6):
+        _train(model, optimizer, steps=1, seed=version)
+        publisher.publish(version)
+        assert follower.update(bucket).version == version
+    publisher.close()
+    detector.close()
+    expected = saved(model, tmp_path / "saved")
+
+    assert expected_shapes_of(replica) == {name: tuple(t.shape) for name, t in expected.items()}
+    assert_same_checkpoint(expected, dict(follower.weights))
+    assert_same_checkpoint(runtime_tensors(model), runtime_tensors(replica))
+    assert verify_bucket(bucket).ok
+    joiner = Receiver(load_weights=lambda weights: None, expected_shapes={n: t.shape for n, t in expected.items()})
+    joiner.update(bucket)
+    assert joiner.version == 5
+    assert_same_checkpoint(expected, dict(joiner.weights))
+
+
+def test_deltas_name_only_changed_checkpoint_tensors(tmp_path):
+    """An expert no token was routed to has no entry in a delta."""
+    from delta_sync.format import read_file
+
+    model = build("qwen3_moe")
+    # Only the first layer's experts 0 and 1 train: the rest of the model is frozen.
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith("model.layers.0.mlp.experts."))
+    experts = model.model.layers[0].mlp.experts
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    detector = BF16ChangeDetector(model, optimizer)
+    publisher = Publisher(tmp_path / "bucket", detector, anchor_every=100, anchor_bytes_ratio=None, background=False)
+    publisher.publish(1)
+    with torch.no_grad():
+        experts.gate_up_proj.grad = torch.zeros_like(experts.gate_up_proj)
+        experts.gate_up_proj.grad[:2] = 1.0
+        experts.down_proj.grad = torch.zeros_like(experts.down_proj)
+        experts.down_proj.grad[1] = 1.0
+    optimizer.step()
+    publisher.publish(2)
+    publisher.close()
+    with read_file(tmp_path / "bucket" / publisher.reports[-1].delta) as delta:
+        names = sorted(delta.header.shapes)
+    prefix = "model.layers.0.mlp.experts."
+    assert names == sorted(
+        [f"{prefix}{e}.{p}_proj.weight" for e in (0, 1) for p in ("gate", "up")] + [f"{prefix}1.down_proj.weight"]
+    )
+
+
+def test_refuses_a_conversion_that_is_no_box():
+    model = build("qwen3_moe")
+    model._weight_conversions = [
+        core.WeightConverter(
+            source_patterns="mlp.experts.w13_weight",
+            target_patterns="mlp.experts.gate_up_proj",
+            operations=[core.Interleave(dim=1)],
+        )
+    ]
+    with pytest.raises(
+        UnservableModelError, match=r"qwen3_moe: .*'model\.layers\.0\.mlp\.experts\.w13_weight'.*Interleave"
+    ):
+        CheckpointLayout.of(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(UnservableModelError, match=re.escape("Interleave")):
+        BF16ChangeDetector(model, optimizer)
+
+
+def test_refuses_a_checkpoint_tensor_made_of_several_parameters():
+    """q, k and v fused into one checkpoint tensor: no box of one run-time tensor."""
+    model = build("qwen3")
+    model._weight_conversions = [
+        core.WeightConverter(
+            source_patterns="self_attn.qkv_proj.weight",
+            target_patterns=["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
+            operations=[core.Chunk(dim=0)],
+        )
+    ]
+    with pytest.raises(UnservableModelError, match=r"qwen3: .*qkv_proj\.weight'.*Chunk"):
+        CheckpointLayout.of(model)
+
+
+def test_a_model_without_transformers_conversion_is_its_own_checkpoint():
+    from conftest import TwoTower
+
+    layout = CheckpointLayout.of(TwoTower())
+    assert layout.identity
+    assert layout.shapes == {name: tuple(p.shape) for name, p in TwoTower().named_parameters()}
+
+
+def test_a_sharded_model_with_fused_experts_is_refused():
+    from delta_sync.trainer.sharding import ModelLayout
+
+    model = build("qwen3_moe")
+    shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
+    sharded = ModelLayout(rank=0, world_size=2, shapes=shapes, shards={}, sharded=True)
+    with pytest.raises(UnservableModelError, match=r"a sharded qwen3_moe model .*fused MoE experts"):
+        CheckpointLayout.of(model).published_layout(sharded)
