@@ -283,3 +283,67 @@ def test_a_sharded_model_with_fused_experts_is_refused():
     sharded = ModelLayout(rank=0, world_size=2, shapes=shapes, shards={}, sharded=True)
     with pytest.raises(UnservableModelError, match=r"a sharded qwen3_moe model .*fused MoE experts"):
         CheckpointLayout.of(model).published_layout(sharded)
+
+
+def test_without_weight_conversions_the_checkpoint_is_the_parameters(monkeypatch):
+    """transformers 4.x has no weight conversions: it saves MoE experts as they are held."""
+    from delta_sync.trainer import checkpoint
+
+    monkeypatch.setattr(checkpoint, "_revert_function", lambda: None)
+    model = build("qwen3_moe")
+    layout = CheckpointLayout.of(model)
+    assert layout.identity
+    assert layout.model_type == "qwen3_moe"
+    assert "model.layers.0.mlp.experts.gate_up_proj" in layout.shapes
+
+
+def test_a_sharded_model_whose_conversion_only_renames_keeps_its_blocks():
+    from delta_sync.blocks import Block
+    from delta_sync.trainer.sharding import ModelLayout, ParamShard
+
+    model = build("qwen3")
+    model._weight_conversions = [core.WeightRenaming(r"\.block_sparse_moe\.", ".mlp.")]
+    layout = CheckpointLayout.of(model)
+    assert layout.renames_only and not layout.identity
+    name, renamed = "model.layers.1.mlp.up_proj.weight", "model.layers.1.block_sparse_moe.up_proj.weight"
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    block = Block((8, 0), (8, shapes[name][1]))
+    sharded = ModelLayout(1, 2, shapes, {name: ParamShard(name, shapes[name], block)}, sharded=True)
+    published = layout.published_layout(sharded)
+    assert set(published.shapes) == set(saved_names(model))
+    assert published.shards == {renamed: ParamShard(renamed, shapes[name], block)}
+
+
+def saved_names(model) -> list[str]:
+    return sorted(core.revert_weight_conversion(model, {n: p.detach() for n, p in model.named_parameters()}))
+
+
+def test_a_trainer_with_the_callback_publishes_the_checkpoint(tmp_path):
+    """transformers' Trainer with DeltaSyncCallback on Mixtral (fused experts, renamed MoE block)."""
+    from delta_sync import DeltaSyncCallback
+
+    model = build("mixtral")
+    generator = torch.Generator().manual_seed(0)
+    rows = [
+        {"input_ids": ids, "labels": ids}
+        for ids in torch.randint(0, model.config.vocab_size, (12, 12), generator=generator)
+    ]
+    bucket = tmp_path / "bucket"
+    sync = DeltaSyncCallback(bucket=str(bucket), background=False, anchor_every=2)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        report_to="none",
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        max_steps=3,
+        learning_rate=1e-3,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    transformers.Trainer(model=model, args=args, train_dataset=rows, callbacks=[sync]).train()
+    assert [report.version for report in sync.reports] == [1, 2, 3]
+    expected = saved(model, tmp_path / "saved")
+    assert verify_bucket(bucket).ok
+    receiver = Receiver(load_weights=lambda weights: None, expected_shapes={n: t.shape for n, t in expected.items()})
+    receiver.update(bucket)
+    assert_same_checkpoint(expected, dict(receiver.weights))
