@@ -85,6 +85,20 @@ def _transposed_moe():
     return model
 
 
+def _stored_transposed_moe():
+    """Qwen3-MoE whose checkpoint stores each layer's fused experts transposed, as
+    `qwen3_vl_moe`'s conversion does: one permuted box per run-time tensor."""
+    model = _qwen3_moe()
+    model._weight_conversions = [
+        core.WeightConverter(
+            source_patterns="mlp.experts.gate_up_proj",
+            target_patterns="mlp.experts.gate_up_proj",
+            operations=[core.Transpose(1, 2)],
+        )
+    ]
+    return model
+
+
 FAMILIES = {
     "qwen3": _qwen3,
     "llama": _llama,
@@ -93,8 +107,9 @@ FAMILIES = {
     "mixtral": _mixtral,
     "gemma3_text": _gemma3_text,
     "transposed_moe": _transposed_moe,
+    "stored_transposed_moe": _stored_transposed_moe,
 }
-FUSED = {"qwen3_moe", "qwen2_moe", "mixtral", "transposed_moe"}
+FUSED = {"qwen3_moe", "qwen2_moe", "mixtral", "transposed_moe", "stored_transposed_moe"}
 
 
 def build(family: str, seed: int = 0):
@@ -174,7 +189,9 @@ def _train(model, optimizer, steps: int, seed: int) -> None:
 
 
 @pytest.mark.parametrize("encoding", ["raw", "compact"])
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "transposed_moe", "qwen3"])
+@pytest.mark.parametrize(
+    "family", ["qwen3_moe", "qwen2_moe", "mixtral", "transposed_moe", "stored_transposed_moe", "qwen3"]
+)
 def test_bucket_replays_to_save_pretrained(family, encoding, tmp_path):
     model = build(family)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -271,6 +271,15 @@ class _SourceMap:
                 found.append((box, local, selection))
             return found
         flat = positions.long()
+        if len(self.boxes) == 1:  # one permuted box (a transposed tensor): no lookup
+            box = self.boxes[0]
+            mapped = torch.zeros_like(flat)
+            for d, (stride, size) in enumerate(zip(self.strides, self.shape)):
+                weight = int(self.weights[0, d])
+                if weight:
+                    mapped += (flat // stride if d == 0 else (flat // stride) % size) * weight
+            local, order = torch.sort(mapped)
+            return [(box, local.to(index_dtype(box.numel)), order)]
         cell = torch.zeros_like(flat)
         coordinates = []
         for d, (stride, size) in enumerate(zip(self.strides, self.shape)):
@@ -282,7 +291,10 @@ class _SourceMap:
         mapped = -self.offsets[box_of]
         for d, coordinate in enumerate(coordinates):
             mapped += coordinate * self.weights[box_of, d]
-        order = torch.argsort(box_of, stable=True)
+        # One sort by (box, checkpoint position): grouped by box, ascending within each
+        # (a permuted box visits its checkpoint positions out of order).
+        span = max(box.numel for box in self.boxes)
+        keys, order = torch.sort(box_of * span + mapped)
         counts = torch.bincount(box_of, minlength=len(self.boxes)).tolist()
         found, start = [], 0
         for number, count in enumerate(counts):
@@ -290,11 +302,8 @@ class _SourceMap:
                 continue
             box = self.boxes[number]
             selection = order[start : start + count]
+            local = keys[start : start + count] - number * span
             start += count
-            local = mapped[selection]
-            if box.permuted:
-                resorted = torch.argsort(local)
-                selection, local = selection[resorted], local[resorted]
             found.append((box, local.to(index_dtype(box.numel)), selection))
         return found
 
