@@ -364,3 +364,25 @@ def test_a_trainer_with_the_callback_publishes_the_checkpoint(tmp_path):
     receiver = Receiver(load_weights=lambda weights: None, expected_shapes={n: t.shape for n, t in expected.items()})
     receiver.update(bucket)
     assert_same_checkpoint(expected, dict(receiver.weights))
+
+
+def test_a_lora_model_with_fused_experts_publishes_the_merged_checkpoint(tmp_path):
+    """PEFT merged mode on Qwen3-MoE: the base checkpoint's names and layout, adapter merged."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(
+        build("qwen3_moe"),
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    detector = BF16ChangeDetector(model, optimizer)
+    bucket = tmp_path / "bucket"
+    publisher = Publisher(bucket, detector, anchor_every=100, anchor_bytes_ratio=None, background=False)
+    for version in range(1, 4):
+        _train(model, optimizer, steps=1, seed=version)
+        publisher.publish(version)
+    publisher.close()
+    detector.close()
+    expected = saved(model.merge_and_unload(), tmp_path / "saved")
+    receiver = Receiver(load_weights=lambda weights: None, expected_shapes={n: t.shape for n, t in expected.items()})
+    receiver.update(bucket)
+    assert_same_checkpoint(expected, dict(receiver.weights))

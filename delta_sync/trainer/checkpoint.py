@@ -14,8 +14,12 @@ run-time tensor (a corner and a size per run-time dimension, and an order of dim
 what chunking, splitting, unstacking and transposing give), the boxes of a run-time tensor
 covering it exactly once. Anything else (interleaving, concatenating several run-time
 tensors into one checkpoint tensor, ...) is refused when the layout is made, before
-anything is written. Per step, changed positions are then mapped in O(changed elements),
-and a checkpoint tensor's value is a view of its box.
+anything is written. The run-time tensors that one converter reverts together (a layer's
+fused experts) are probed together, and each distinct conversion once: the same converter in
+the next layer takes the same boxes, its names and shapes checked against transformers' own
+conversion on the meta device, so that making the layout of a large MoE costs about one
+layer's probes. Per step, changed positions are then mapped in O(changed elements), and a
+checkpoint tensor's value is a view of its box.
 
 Only this module knows about transformers' conversion API, and only when a model asks.
 """
