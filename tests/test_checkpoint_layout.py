@@ -99,6 +99,26 @@ def _stored_transposed_moe():
     return model
 
 
+def _qwen2_5_vl():
+    """A vision-language model: its checkpoint names the language model otherwise."""
+    text = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "vocab_size": 96}
+    # Two heads of 16: multimodal rotary sections of 2, 3 and 3 frequencies.
+    text |= {"num_attention_heads": 2, "num_key_value_heads": 1}
+    text |= {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 32}
+    config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision | {"fullatt_block_indexes": [0]})
+    return transformers.Qwen2_5_VLForConditionalGeneration(config)
+
+
+def _gemma3_vlm():
+    text = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, **_ATTENTION, "vocab_size": 300}
+    vision = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 2}
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision | {"image_size": 28, "patch_size": 14}, mm_tokens_per_image=4
+    )
+    return transformers.Gemma3ForConditionalGeneration(config)
+
+
 FAMILIES = {
     "qwen3": _qwen3,
     "llama": _llama,
@@ -108,8 +128,12 @@ FAMILIES = {
     "gemma3_text": _gemma3_text,
     "transposed_moe": _transposed_moe,
     "stored_transposed_moe": _stored_transposed_moe,
+    "qwen2_5_vl": _qwen2_5_vl,
+    "gemma3_vlm": _gemma3_vlm,
 }
 FUSED = {"qwen3_moe", "qwen2_moe", "mixtral", "transposed_moe", "stored_transposed_moe"}
+#: Checkpoints that only name some tensors otherwise.
+RENAMED = {"qwen2_5_vl", "gemma3_vlm"}
 
 
 def build(family: str, seed: int = 0):
@@ -138,7 +162,8 @@ def runtime_tensors(model) -> dict[str, torch.Tensor]:
 def test_layout_values_are_save_pretrained(family, tmp_path):
     model = build(family)
     layout = CheckpointLayout.of(model)
-    assert layout.identity == (family not in FUSED)
+    assert layout.identity == (family not in FUSED | RENAMED)
+    assert layout.renames_only == (family not in FUSED)
     values = layout.values(runtime_tensors(model))
     assert_same_checkpoint(saved(model, tmp_path), values)
     assert layout.shapes == {name: tuple(tensor.shape) for name, tensor in values.items()}
@@ -182,7 +207,7 @@ def test_changed_positions_map_to_checkpoint_positions(family):
 def _train(model, optimizer, steps: int, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):
-        tokens = torch.randint(0, model.config.vocab_size, (2, 12), generator=generator)
+        tokens = torch.randint(0, model.get_input_embeddings().num_embeddings, (2, 12), generator=generator)
         model(input_ids=tokens, labels=tokens).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -190,7 +215,17 @@ def _train(model, optimizer, steps: int, seed: int) -> None:
 
 @pytest.mark.parametrize("encoding", ["raw", "compact"])
 @pytest.mark.parametrize(
-    "family", ["qwen3_moe", "qwen2_moe", "mixtral", "transposed_moe", "stored_transposed_moe", "qwen3"]
+    "family",
+    [
+        "qwen3_moe",
+        "qwen2_moe",
+        "mixtral",
+        "transposed_moe",
+        "stored_transposed_moe",
+        "qwen3",
+        "qwen2_5_vl",
+        "gemma3_vlm",
+    ],
 )
 def test_bucket_replays_to_save_pretrained(family, encoding, tmp_path):
     model = build(family)
