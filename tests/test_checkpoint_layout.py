@@ -327,14 +327,50 @@ def test_a_model_without_transformers_conversion_is_its_own_checkpoint():
     assert layout.shapes == {name: tuple(p.shape) for name, p in TwoTower().named_parameters()}
 
 
-def test_a_sharded_model_with_fused_experts_is_refused():
-    from delta_sync.trainer.sharding import ModelLayout
+@pytest.mark.parametrize("family", ["qwen3_moe", "transposed_moe"])
+def test_a_ranks_block_of_fused_experts_publishes_blocks_of_checkpoint_tensors(family):
+    """A rank holding rows 1-2 of the experts and columns 10-25 of their fused gate/up rows
+    (as an FSDP2 shard of two dimensions would): its blocks of the per-expert tensors, and
+    positions in them, are those of the whole checkpoint tensors cut to the block."""
+    from delta_sync.blocks import Block
+    from delta_sync.trainer.sharding import ModelLayout, ParamShard
+
+    model = build(family)
+    layout = CheckpointLayout.of(model)
+    source = "model.layers.0.mlp.experts.gate_up_proj"
+    full = dict(model.named_parameters())[source].detach()
+    held = Block((1, 10, 0), (2, 16, full.shape[2]))
+    shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
+    runtime = ModelLayout(1, 2, shapes, {source: ParamShard(source, shapes[source], held)}, sharded=True)
+    published = layout.published_layout(runtime)
+    whole = layout.values({source: full})
+    values = layout.block_values({source: full[held.slices()]}, runtime, published, list(published.shards))
+    # Experts 1 and 2, each with its gate rows 10-15 and its up rows 0-9.
+    assert len(values) == 4 and sum(value.numel() for value in values.values()) == held.numel
+    for name, value in values.items():
+        assert torch.equal(
+            value.view(torch.int16), whole[name][published.shards[name].block.slices()].view(torch.int16)
+        )
+    # Positions: every element of the block changed, mapped, then placed in each checkpoint block.
+    positions = torch.arange(full.numel()).view(full.shape)[held.slices()].reshape(-1).to(torch.int32)
+    mapped, _ = layout.map_changes({source: SparseChange(positions, full.view(-1)[positions.long()])})
+    assert sorted(mapped) == sorted(values)
+    for name, change in mapped.items():
+        local = layout.block_positions(name, change.indices, published)
+        assert torch.equal(local, torch.arange(values[name].numel())), name
+
+
+def test_a_zero3_partition_of_fused_experts_is_refused():
+    from delta_sync.blocks import Block
+    from delta_sync.trainer.sharding import ModelLayout, ParamShard
 
     model = build("qwen3_moe")
+    source = "model.layers.0.mlp.experts.gate_up_proj"
     shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
-    sharded = ModelLayout(rank=0, world_size=2, shapes=shapes, shards={}, sharded=True)
-    with pytest.raises(UnservableModelError, match=r"a sharded qwen3_moe model .*fused MoE experts"):
-        CheckpointLayout.of(model).published_layout(sharded)
+    flat = Block((0,), (100,))
+    zero3 = ModelLayout(0, 2, shapes, {source: ParamShard(source, shapes[source], flat)}, sharded=True)
+    with pytest.raises(UnservableModelError, match=r"qwen3_moe: DeepSpeed ZeRO-3 partitions 'model\.layers\.0"):
+        CheckpointLayout.of(model).published_layout(zero3)
 
 
 def test_without_weight_conversions_the_checkpoint_is_the_parameters(monkeypatch):

@@ -100,6 +100,34 @@ def test_fsdp2_on_3_ranks_with_fp32_masters_and_an_empty_shard(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "ranks, flags",
+    [(2, ()), (3, ("--fp32-masters", "--encoding", "compact", "--host-mirror"))],
+    ids=["2-raw", "3-compact"],
+)
+def test_fsdp2_moe_publishes_each_experts_checkpoint_tensor_from_the_rank_holding_it(tmp_path, ranks, flags):
+    # The fused experts [5, ...] are sharded by expert: each rank publishes the checkpoint's
+    # per-expert tensors its block holds. The script checks a Receiver against the
+    # checkpoint's tensors of the full weights after every version.
+    bucket = tmp_path / "bucket"
+    results = torchrun(
+        "fsdp2_publish.py", ranks, "--bucket", str(bucket), "--steps", "3", "--anchor-every", "2", "--moe", *flags
+    )
+    assert [v["version"] for v in results[0]["versions"]] == [1, 2, 3]
+    from delta_sync import read_file, verify_bucket
+
+    assert verify_bucket(str(bucket)).ok
+    # Each expert's tensors come whole from the one rank whose block holds that expert.
+    for path in bucket.glob("anchors/*/part_*.safetensors"):
+        header = read_file(path, part_of="test").header
+        assert "model.layers.0.mlp.experts.gate_up_proj" not in header.shapes
+        experts = [name for name in header.shapes if ".mlp.experts." in name]
+        assert experts and all(
+            header.block_shapes.get(name, header.shapes[name]) == header.shapes[name] for name in experts
+        )
+
+
+@pytest.mark.slow
 def test_fsdp2_compact_parts_are_coded_in_each_ranks_blocks_and_replay_bit_exactly(tmp_path):
     # 3 ranks, fp32 masters, and q/k norms of 2 elements that leave one rank an empty shard.
     # The script checks a Receiver against the full weights after every version. Each rank

@@ -19,7 +19,9 @@ fused experts) are probed together, and each distinct conversion once: the same 
 the next layer takes the same boxes, its names and shapes checked against transformers' own
 conversion on the meta device, so that making the layout of a large MoE costs about one
 layer's probes. Per step, changed positions are then mapped in O(changed elements), and a
-checkpoint tensor's value is a view of its box.
+checkpoint tensor's value is a view of its box. A rank of a sharded model (FSDP2) publishes,
+of each checkpoint tensor, the part its block of the parameter holds: the intersection of
+two boxes, itself a block of the checkpoint tensor.
 
 Only this module knows about transformers' conversion API, and only when a model asks.
 """
@@ -186,7 +188,9 @@ class CheckpointBox:
         if self.whole:
             return tensor
         box = tensor[tuple(slice(c, c + s) for c, s in zip(self.corner, self.sizes))]
-        return box.permute(self.order).reshape(self.shape)
+        # Only dimensions of size 1 come or go: always a view (`view`, so that a copy, which
+        # would silently drop writes, fails instead).
+        return box.permute(self.order).view(self.shape)
 
     def value(self, tensor: torch.Tensor) -> torch.Tensor:
         """The checkpoint tensor's value from its run-time tensor: a view of the box, copied
@@ -468,43 +472,92 @@ class CheckpointLayout:
                         mapped_old[box.name] = old[selection]
         return mapped, mapped_old
 
-    def rename(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Run-time name -> anything, keyed by checkpoint name instead (whole tensors only:
-        see [`renames_only`])."""
-        renamed = {}
-        for source, value in tensors.items():
-            box = self._maps[source].renamed
-            if box is None:
-                raise ValueError(f"{source!r} is cut into several checkpoint tensors, not renamed")
-            renamed[box.name] = value
-        return renamed
-
     def published_layout(self, layout: ModelLayout) -> ModelLayout:
         """A trainer's [`ModelLayout`] (of run-time parameters) as the layout of the checkpoint
-        tensors it publishes.
+        tensors it publishes: with a sharded model (FSDP2), each rank publishes the part of
+        each checkpoint tensor that its block of the parameter holds, a block of the
+        checkpoint tensor (in the checkpoint's order of dimensions).
 
         Raises:
-            UnservableModelError: The model is sharded and a checkpoint tensor is part of a
-                parameter (each rank would have to map its block through the conversion).
+            UnservableModelError: A checkpoint tensor is part of a parameter that DeepSpeed
+                ZeRO-3 partitions (a range of the flattened parameter, which is no block of
+                the checkpoint tensor).
         """
         if self.identity:
             return layout
-        if layout.sharded and not self.renames_only:
-            raise UnservableModelError(
-                f"a sharded {self.model_type} model (FSDP2, DeepSpeed ZeRO-3) whose checkpoint tensors are parts of "
-                "its parameters (fused MoE experts) cannot be published yet: train it with DDP or DeepSpeed ZeRO-1/2"
-            )
         shards = {}
         for source, shard in layout.shards.items():
             for box in self._maps[source].boxes:
                 if box.whole:  # renamed: this rank's block of it is the same
                     shards[box.name] = ParamShard(box.name, shard.global_shape, shard.block)
-                else:  # a whole parameter (not sharded), cut
+                elif shard.whole:  # a whole parameter, cut
                     shards[box.name] = ParamShard(box.name, box.shape, Block((0,) * len(box.shape), box.shape))
+                elif shard.block.is_flat(shard.global_shape):
+                    raise UnservableModelError(
+                        f"{self.model_type}: DeepSpeed ZeRO-3 partitions {source!r} as a range of the flattened "
+                        f"parameter, which is no block of its checkpoint tensors ({box.name!r}, ...), so a rank "
+                        "cannot publish its part of them: train it with FSDP2, DDP or DeepSpeed ZeRO-1/2"
+                    )
+                elif (block := _block_of_box(box, shard.block)) is not None:
+                    shards[box.name] = ParamShard(box.name, box.shape, block)
         shapes = {box.name: box.shape for source in layout.shapes for box in self._maps[source].boxes}
         return ModelLayout(
             rank=layout.rank, world_size=layout.world_size, shapes=shapes, shards=shards, sharded=layout.sharded
         )
+
+    def block_values(
+        self, tensors: Mapping[str, torch.Tensor], runtime: ModelLayout, published: ModelLayout, names: Iterable[str]
+    ) -> dict[str, torch.Tensor]:
+        """Checkpoint name -> this rank's block of it, from this rank's blocks of the
+        parameters (views, copied only where permuted).
+
+        Args:
+            tensors: Run-time name -> this rank's block of the parameter.
+            runtime: This rank's [`ModelLayout`] of the parameters.
+            published: [`published_layout`] of it.
+            names: Checkpoint tensors this rank publishes a block of.
+        """
+        values = {}
+        for name in names:
+            box, held, block = self.boxes[name], runtime.shards[self.boxes[name].source], published.shards[name].block
+            local = tensors[box.source]
+            if box.whole or held.whole:
+                values[name] = local if box.whole else box.value(local)
+                continue
+            # The block's corner and extent in the parameter, then in this rank's block of it.
+            corner, sizes = list(box.corner), list(box.sizes)
+            for j, d in enumerate(box.dims):
+                if d is not None:
+                    corner[d], sizes[d] = box.corner[d] + block.offset[j], block.shape[j]
+            inside = tuple(c - o for c, o in zip(corner, held.block.offset))
+            values[name] = CheckpointBox(name, box.source, block.shape, inside, tuple(sizes), box.dims).value(local)
+        return values
+
+    def block_positions(self, name: str, positions: torch.Tensor, published: ModelLayout) -> torch.Tensor:
+        """Positions in this rank's block of checkpoint tensor `name` of (ascending) positions
+        in the whole checkpoint tensor that the block holds (int64, ascending)."""
+        shape, block = published.shapes[name], published.shards[name].block
+        flat = positions.long()
+        if block.shape == shape:
+            return flat
+        local = torch.zeros_like(flat)
+        for stride, size, offset, block_stride in zip(
+            _row_major_strides(shape), shape, block.offset, _row_major_strides(block.shape)
+        ):
+            local += ((flat // stride) % size - offset) * block_stride
+        return local
+
+
+def _block_of_box(box: CheckpointBox, block: Block) -> Block | None:
+    """The part of checkpoint tensor `box` inside a rank's hyper-rectangular `block` of its
+    parameter, as a block of the checkpoint tensor; None if it holds none of it."""
+    low = [max(o, c) for o, c in zip(block.offset, box.corner)]
+    high = [min(o + s, c + z) for o, s, c, z in zip(block.offset, block.shape, box.corner, box.sizes)]
+    if any(h <= lo for lo, h in zip(low, high)):
+        return None
+    offset = tuple(0 if d is None else low[d] - box.corner[d] for d in box.dims)
+    shape = tuple(1 if d is None else high[d] - low[d] for d in box.dims)
+    return Block(offset, shape)
 
 
 def _whole(name: str, source: str, shape: tuple[int, ...]) -> CheckpointBox:

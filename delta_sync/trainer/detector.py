@@ -142,7 +142,8 @@ class BF16ChangeDetector:
             wrapper), or it is a PEFT model merged mode cannot publish exactly (see
             `delta_sync.trainer.merged.MergedWeights`), or a sharded PEFT model, or
             transformers converts its checkpoint in a way that is no box of one parameter
-            (see [`CheckpointLayout.of`]), or it is sharded and has fused MoE experts.
+            (see [`CheckpointLayout.of`]), or DeepSpeed ZeRO-3 partitions a parameter that
+            is cut into several checkpoint tensors (fused MoE experts).
 
     Example:
         ```python

@@ -399,23 +399,35 @@ class VersionWriter(PointerWriter):
         if self.checkpoint.identity:
             return change_set
         changes, old_values = self.checkpoint.map_changes(change_set.changes, change_set.old_values)
+        local_indices = {}
+        if self.parted:  # positions in this rank's block of each checkpoint tensor it changed
+            for name, change in changes.items():
+                source = self.checkpoint.boxes[name].source
+                if self.checkpoint.boxes[name].whole and source in change_set.local_indices:
+                    local_indices[name] = change_set.local_indices[source]  # renamed: the same block
+                elif self.layout.shards[name].block.shape != self.layout.shapes[name]:
+                    local_indices[name] = self.checkpoint.block_positions(name, change.indices, self.layout)
         return replace(
             change_set,
             changes=changes,
             old_values=old_values,
             shapes=dict(self.layout.shapes),
-            local_indices=self.checkpoint.rename(change_set.local_indices),
+            local_indices=local_indices,
         )
 
     def _host_values(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-        """Checkpoint tensors `names` (default: all this rank publishes) from the detector's
-        host snapshot: views of it, copied only where a checkpoint tensor is permuted."""
+        """Checkpoint tensors `names` (default: all this rank publishes; with parts, this
+        rank's blocks of them) from the detector's host snapshot: views of it, copied only
+        where a checkpoint tensor is permuted."""
         if self.checkpoint.identity:
             return self.detector.host_snapshot(names)
         if names is None:
             names = [name for name in self.layout.shards]
         names = list(names)
-        return self.checkpoint.values(self.detector.host_snapshot(self.checkpoint.sources(names)), names)
+        held = self.detector.host_snapshot(self.checkpoint.sources(names))
+        if self.parted:  # this rank's blocks of the parameters, as blocks of checkpoint tensors
+            return self.checkpoint.block_values(held, self.detector.layout, self.layout, names)
+        return self.checkpoint.values(held, names)
 
     def _encode_delta(self, version: int, change_set: ChangeSet) -> list[_Staged]:
         assert self._stored_version is not None and self._anchor_version is not None

@@ -25,10 +25,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from delta_sync import Receiver
 from delta_sync.trainer.callback import DeltaSyncCallback
+from delta_sync.trainer.checkpoint import CheckpointLayout
 
 ROOT = Path(__file__).resolve().parents[2]
 # The tiny model lives with the examples, the shared test helpers with the tests.
@@ -52,12 +53,20 @@ def no_weight_gathers():
         DTensor.full_tensor, DTensor.redistribute, dist.all_gather_into_tensor = saved
 
 
-def build_model(master: bool, model_dir: str | None = None) -> torch.nn.Module:
+def build_model(master: bool, model_dir: str | None = None, moe: bool = False) -> torch.nn.Module:
     config = uneven_qwen3_config()  # a third rank holds an empty shard of the q/k norms
     torch.manual_seed(0)
     dtype = torch.float32 if master else torch.bfloat16
     if model_dir is not None:  # e.g. the checkpoint a vLLM server serves
         model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    elif moe:  # fused experts, which the checkpoint holds one tensor per expert
+        # Widths of whole 16-byte rows (the grouped expert product needs them); 5 experts
+        # divide evenly by no rank count.
+        moe_config = Qwen3MoeConfig(
+            vocab_size=301, hidden_size=48, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=16, moe_intermediate_size=24, num_experts=5, num_experts_per_tok=2,
+        )  # fmt: skip
+        model = Qwen3MoeForCausalLM(moe_config).to(dtype)
     else:
         model = Qwen3ForCausalLM(config).to(dtype)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if master else MixedPrecisionPolicy()
@@ -80,10 +89,13 @@ def main() -> None:
     parser.add_argument("--fp32-masters", action="store_true", help="fp32 sharded masters, bf16 published")
     parser.add_argument("--model-dir", help="train this checkpoint instead of a random model")
     parser.add_argument("--host-mirror", action="store_true", help="anchors and compact parts from a host mirror")
+    parser.add_argument("--moe", action="store_true", help="a Qwen3-MoE model: fused experts, per-expert checkpoint")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    model = build_model(args.fp32_masters, args.model_dir)
+    model = build_model(args.fp32_masters, args.model_dir, args.moe)
+    # What the bucket must hold: the checkpoint's tensors (gathered for the check only).
+    checkpoint = CheckpointLayout.of(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     callback = DeltaSyncCallback(
         bucket=args.bucket,
@@ -95,7 +107,7 @@ def main() -> None:
     state = SimpleNamespace(global_step=0, is_world_process_zero=rank == 0, log_history=[])
     training_args = SimpleNamespace(use_vllm=False)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    receiver = Receiver(expected_shapes=shapes) if rank == 0 else None
+    receiver = Receiver(expected_shapes=checkpoint.shapes) if rank == 0 else None
     with no_weight_gathers():
         callback.on_train_begin(training_args, state, None, model=model, optimizer=optimizer)
     detector = callback.detector
@@ -116,10 +128,11 @@ def main() -> None:
         if args.host_mirror:  # this rank's blocks, advanced from the changes alone
             for name, tensor in detector.snapshot.items():
                 assert torch.equal(detector.mirror.tensors[name].view(torch.int16), tensor.view(torch.int16)), name
-        expected = full_bf16(model)
+        expected = checkpoint.values(full_bf16(model))
         if rank == 0:
             result = receiver.update(args.bucket)
             assert result.version == step, (result.version, step)
+            assert sorted(expected) == sorted(receiver.weights)
             for name, tensor in expected.items():
                 assert torch.equal(tensor.view(torch.int16), receiver.weights[name].view(torch.int16)), name
             versions.append({"version": step, "applied": list(result.applied)})
