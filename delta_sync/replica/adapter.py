@@ -214,7 +214,7 @@ def _check_adapter_files(local: Path, source: str) -> None:
     lora_A / lora_B weights (vLLM checks the rest when it loads them)."""
     try:
         config = json.loads((local / ADAPTER_CONFIG).read_bytes())
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise FormatError(f"{source}/{ADAPTER_CONFIG}: not JSON ({exc})") from None
     if not isinstance(config, dict) or config.get("peft_type") != "LORA":
         kind = config.get("peft_type") if isinstance(config, dict) else type(config).__name__

@@ -34,6 +34,16 @@ from ..layout import Latest
 __all__ = ["AcceptedPointer", "PointerLedger"]
 
 _DIRECTORY = "pointers"
+# What each field of a stored record must be: a record of other types is refused, not compared.
+_FIELD_TYPES = {
+    "bucket": (str,),
+    "sequence": (int,),
+    "digest": (str,),
+    "version": (int,),
+    "run_id": (str,),
+    "epoch": (str,),
+    "written_at": (int, float),
+}
 
 
 @dataclass(frozen=True)
@@ -133,9 +143,12 @@ class PointerLedger:
         try:
             fields = json.loads(file.read_bytes())
             stored = AcceptedPointer(**fields)
+            for name, kinds in _FIELD_TYPES.items():
+                if type(getattr(stored, name)) not in kinds:
+                    raise TypeError(f"{name!r} is a {type(getattr(stored, name)).__name__}")
         except FileNotFoundError:
             return remembered
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, RecursionError) as exc:
             # A record this library did not write: never forget forward, so refuse to guess.
             raise ReplayError(
                 f"{file}: the record of accepted pointers is unreadable ({exc}); remove it to reset"
