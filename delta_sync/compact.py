@@ -75,6 +75,15 @@ code `c` itself (0 never occurs), `c >= 16` a code of bit length `c - 11`.
 Decoding validates every count against the tensor's size before allocating anything, so a
 damaged stream raises [`FormatError`] (or, at worst, decodes to weights that the
 receiver's checksums then refuse); it never hangs or allocates beyond the tensor's size.
+The compiled functions that read a stream's bytes (anyone who can write the bucket writes
+them) are [`_read_headers`] (every read checked against the stream's length, every count
+against the tensor's size), [`_decode_tensors`] and what it calls: [`_decode_groups`] and
+`rans`' decoders (each symbol written into an array of the count the header gives, each
+word read checked against the words' count), [`_ranks_of`] (a gap past the group's members,
+or past the slots its changes leave, is an error before anything is written: a stream
+coding the unchanged members once wrote past its group's slots, a heap overflow), and the
+select passes (each rank below its group's claimed size, the writes bounded by the ranks'
+count). CI runs the codec's tests and the decoder fuzzer with `NUMBA_BOUNDSCHECK=1` too.
 
 Example:
     ```python
@@ -1784,7 +1793,9 @@ def _ranks_of(tops, excess, lows, shift, count, complement, ranks):
             return _PAST_GROUP
         low = lows[j] if shift else 0
         next_position = position + (top << shift) + low + 1
-        if next_position >= count:
+        # The `j` coded members so far leave `next_position - j` uncoded ones below this one:
+        # with `complement` each takes a slot of `ranks`, which has `count - tops.size` of them.
+        if next_position >= count or (complement and next_position - j > count - tops.size):
             return _PAST_GROUP
         if complement:  # the members between two coded ones are the changed ones
             for member in range(position + 1, next_position):

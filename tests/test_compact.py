@@ -620,3 +620,26 @@ def test_a_huge_claimed_count_is_refused_before_allocating():
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20
+
+
+def test_every_bit_flip_of_streams_whose_groups_mostly_changed_stays_inside_the_output():
+    # Where more than half a group changed, its stream codes the unchanged members, and the
+    # decoder writes the changed ones between them: gaps that jump past members once wrote more
+    # ranks than the group has changes (a heap overflow, the process killed by glibc). Every
+    # single-bit flip must be refused or decode to a well-formed change; the bounds-checked
+    # lane of CI (NUMBA_BOUNDSCHECK=1) runs this too, where a write out of range is an IndexError.
+    generator = torch.Generator().manual_seed(23)
+    for numel, lr in ((3000, 3e-2), (3000, 1e-2)):
+        previous = random_previous(generator, numel, "special")
+        change = adam_like_change(generator, previous, lr)
+        stream = encode_changes({"w": change}, {"w": previous})["w" + SUFFIX]
+        assert 2 * change.indices.numel() > numel, "a group must code its unchanged members"
+        refused = 0
+        for byte in range(stream.numel()):
+            for bit in range(8):
+                damaged = stream.clone()
+                damaged[byte] ^= 1 << bit
+                decoded = decode_damaged(previous, damaged)
+                refused += decoded is None
+                check_well_formed(previous, decoded)
+        assert refused > stream.numel()  # a flip in the coded words may decode to other weights
