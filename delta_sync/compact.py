@@ -1647,10 +1647,12 @@ _PAST_GROUP = 102
 _TOO_MANY_CHANGES = 103
 _OUTSIDE_GROUPS = 104
 _WRONG_SIZES = 105
+_PAST_SLOTS = 106
 _GROUP_MESSAGES = {
     _GAP_TOO_LONG: "an escaped gap is longer than 2^48",
     _PAST_GROUP: "decoded positions run past the end of their group",
     _OUTSIDE_GROUPS: "decoded positions fall outside their groups",
+    _PAST_SLOTS: "the unchanged members coded leave more changed members than the group claims",
 }
 
 
@@ -1780,7 +1782,8 @@ def _ranks_of(tops, excess, lows, shift, count, complement, ranks):
     """Ranks among the group of its changed elements into `ranks`, from the coded gaps
     (`(top << shift) + low` before each coded element, where a top of `_TOPS` is an escape,
     `_TOPS - 1` plus the next of `excess`), which are the changed elements or, with
-    `complement`, the others: an error code where they run past the group's `count` members."""
+    `complement`, the others: an error code where they run past the group's `count` members,
+    or (with `complement`) leave more changed members than `ranks` has slots."""
     position = np.int64(-1)
     r = 0
     e = 0
@@ -1795,8 +1798,10 @@ def _ranks_of(tops, excess, lows, shift, count, complement, ranks):
         next_position = position + (top << shift) + low + 1
         # The `j` coded members so far leave `next_position - j` uncoded ones below this one:
         # with `complement` each takes a slot of `ranks`, which has `count - tops.size` of them.
-        if next_position >= count or (complement and next_position - j > count - tops.size):
+        if next_position >= count:
             return _PAST_GROUP
+        if complement and next_position - j > count - tops.size:
+            return _PAST_SLOTS
         if complement:  # the members between two coded ones are the changed ones
             for member in range(position + 1, next_position):
                 ranks[r] = member

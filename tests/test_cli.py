@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
 
-from conftest import PublishedRun
+from delta_sync.errors import FormatError
+from delta_sync.layout import anchor_path, delta_path
+
+from conftest import PublishedRun, assert_bit_exact, bf16_state, replica_receiver
 from helpers import cli
+from overflowing_streams import PAST_SLOTS, change_most_of, overflowing_copies
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +108,55 @@ def test_verify_fails_on_stored_versions_that_were_never_published(bucket, tmp_p
     assert re.search(
         r"FAIL  latest.json: absent: no version is published yet \(\d+ version file\(s\) stored", result.stdout
     )
+
+
+@pytest.fixture(scope="module")
+def overflowing(tmp_path_factory):
+    """A compact bucket (anchor v1, delta v2) and copies of its delta whose streams once
+    overflowed the decoder's buffer; see `overflowing_streams`."""
+    root = tmp_path_factory.mktemp("overflow") / "bucket"
+    run = PublishedRun(root, versions=1, anchor_every=10, encoding="compact")
+    change_most_of(run.model.body[0].weight)
+    run.detector.mark_changed(["body.0.weight"])
+    run.publisher.publish(2)
+    run.close()
+    copies = overflowing_copies((root / delta_path(2)).read_bytes(), run.states[1], count=3)
+    assert len(copies) == 3
+    return root, copies
+
+
+def damaged_buckets(overflowing, tmp_path):
+    """(tensor name, a copy of the bucket whose delta v2 is one of the overflowing copies)."""
+    root, copies = overflowing
+    for i, (name, data) in enumerate(copies):
+        damaged = tmp_path / f"damaged-{i}"
+        shutil.copytree(root, damaged)
+        (damaged / delta_path(2)).write_bytes(data)
+        yield name, damaged
+
+
+def test_verify_refuses_streams_that_once_overflowed_the_decoder(overflowing, tmp_path):
+    for name, damaged in damaged_buckets(overflowing, tmp_path):
+        result = cli("verify", str(damaged))
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert "Traceback" not in result.stderr
+        failed = [line for line in result.stdout.splitlines() if line.startswith("FAIL")]
+        # The delta, and the pointer naming a version the replay could not reach.
+        assert len(failed) == 2, result.stdout
+        assert failed[0].startswith(f"FAIL  {delta_path(2)}: ") and name in failed[0] and PAST_SLOTS in failed[0]
+        assert failed[1].startswith("FAIL  latest.json: names version 2")
+        assert "verification FAILED (latest v2, replayed v1)" in result.stdout
+
+
+def test_a_receiver_refuses_streams_that_once_overflowed_and_keeps_its_version(overflowing, tmp_path):
+    for name, damaged in damaged_buckets(overflowing, tmp_path):
+        receiver, replica = replica_receiver()
+        receiver.update(damaged, anchor_path(1))
+        held = bf16_state(replica)
+        with pytest.raises(FormatError, match=re.escape(name)) as refused:
+            receiver.update(damaged, delta_path(2))
+        assert delta_path(2) in str(refused.value) and PAST_SLOTS in str(refused.value)
+        assert receiver.version == 1
+        assert_bit_exact(held, bf16_state(replica))
+    receiver, replica = replica_receiver()
+    assert receiver.update(overflowing[0]).version == 2  # the genuine file applies

@@ -24,6 +24,7 @@ from delta_sync.layout import anchor_path, delta_path
 from delta_sync.trainer.replicas import ReplicaSet
 
 from helpers import REPO, free_port, stop_process, wait_for
+from overflowing_streams import PAST_SLOTS, change_most_of, overflowing_copies
 from vllm_server import API_TOKEN, SIGNING_KEY, vllm_python
 
 pytestmark = pytest.mark.slow
@@ -319,6 +320,37 @@ def test_refusals_leave_the_server_serving_its_weights(vllm_server, trainer, tmp
     # The server is healthy and the genuine file still applies.
     assert vllm_server.update(trainer.bucket, delta_path(4)).status_code == 200
     assert vllm_server.status()["model_checksum"] == read_file(root / delta_path(4)).header.model_checksum
+
+
+def test_streams_that_once_overflowed_the_decoder_leave_the_server_serving(vllm_server, served_model, bucket_root):
+    """A worker decodes compact streams in compiled code: streams that once wrote past its
+    buffer (a heap overflow that ends the worker, and vLLM's engine with it) are refused, and
+    the server keeps serving its version."""
+    trainer = TinyTrainer(served_model, bucket_root / "overflow", encoding="compact")
+    try:
+        trainer.publish()
+        assert vllm_server.update(trainer.bucket, anchor_path(1)).status_code == 200
+        anchored = trainer.bf16()
+        name = "model.layers.0.mlp.down_proj.weight"
+        change_most_of(trainer.model.get_parameter(name))
+        trainer.detector.mark_changed([name])
+        trainer.publish()
+        root = trainer.publisher.bucket.root
+        copies = overflowing_copies((root / delta_path(2)).read_bytes(), anchored, count=3)
+        assert len(copies) == 3
+        held = vllm_server.status()
+        completion = vllm_server.greedy(PROMPT)
+        for i, (tensor, data) in enumerate(copies):
+            (root / f"overflow-{i}.safetensors").write_bytes(data)
+            response = vllm_server.update(trainer.bucket, f"overflow-{i}.safetensors")
+            assert response.status_code >= 400, response.text
+            assert PAST_SLOTS in response.text and tensor in response.text, response.text
+            assert vllm_server.status() == held
+            assert vllm_server.greedy(PROMPT) == completion
+        assert vllm_server.update(trainer.bucket, delta_path(2)).status_code == 200
+        assert vllm_server.status()["model_checksum"] == trainer.checksum()
+    finally:
+        trainer.close()
 
 
 def test_late_replica_catches_up_from_the_bucket_alone(vllm_server, trainer):
