@@ -4,7 +4,10 @@ A random-init Qwen3-style model and tokenizer are built locally (nothing is down
 and trained on CPU with a toy reward. `DeltaSyncCallback` publishes an anchor, then a
 sparse delta after every optimizer step. A replica, a separate transformers model fed
 only from the bucket through `delta_sync.Receiver`, follows along and is compared with
-the trainer bit for bit after every sync.
+the trainer bit for bit after every sync. At the end, the tensors the replica replayed from
+the bucket are compared with what `save_pretrained` writes for the trained model: the
+same names (the checkpoint's, e.g. one tensor per MoE expert where transformers fuses them
+at run time), shapes and bf16 bits.
 
     python examples/grpo_delta_sync.py --bucket ./deltas --steps 20
 
@@ -37,11 +40,13 @@ import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 from datasets import Dataset
+from safetensors.torch import load_file
 from tiny_model import build_tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
@@ -50,7 +55,7 @@ from delta_sync import DeltaSyncCallback, Receiver, expected_shapes_of, module_w
 from delta_sync.integrity import model_checksum, tensor_checksum
 from delta_sync.layout import step_versions
 from delta_sync.signing import SigningKey
-from delta_sync.trainer.checkpoint import CheckpointLayout
+from delta_sync.trainer.checkpoint import CheckpointLayout, pretrained_model
 
 PROMPTS = [
     f"{subject} {verb} the"
@@ -86,6 +91,9 @@ class ReplicaCheck(TrainerCallback):
         self.server_checked: list[tuple[int, bool]] = []
         #: (version, error) for every version a server refused or failed to reach.
         self.server_refused: list[tuple[int, str]] = []
+        #: Whether the replayed bucket is what save_pretrained writes for the trained model,
+        #: and what was compared (or why not); None until training ends.
+        self.saved_check: tuple[bool, str] | None = None
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         version = state.global_step
@@ -117,6 +125,47 @@ class ReplicaCheck(TrainerCallback):
         if self.sync.replicas is not None and self.sync.config.max_staleness > 0:
             params = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
             self._check_server(state.global_step, self._checkpoint_of(model, params))
+        if self.sync.publisher is not None and self.sync.publisher.last_version is not None:
+            self.saved_check = self._check_save_pretrained(model)
+
+    def _check_save_pretrained(self, model: torch.nn.Module) -> tuple[bool, str]:
+        """Compares the bucket, as the replica replayed it, with what `save_pretrained` writes
+        for the trained model (its bf16 rounding, as published): names, shapes and bits."""
+        self.receiver.update(self.bucket)  # the last version (the trainer has closed its publisher)
+        if self.receiver.version != self.sync.publisher.last_version:
+            return False, f"no (the replica holds v{self.receiver.version}, not v{self.sync.publisher.last_version})"
+        found = pretrained_model(model)
+        if found is None:
+            return False, "not compared (not a transformers model)"
+        _, pretrained = found
+        with tempfile.TemporaryDirectory(prefix="save-pretrained-") as directory:
+            pretrained.save_pretrained(directory)
+            saved = {}
+            for path in sorted(Path(directory).glob("*.safetensors")):
+                saved.update(load_file(path))
+        # Persistent buffers are saved too, but they are no weights: the bucket does not carry them.
+        for name, _ in pretrained.named_buffers():
+            saved.pop(name, None)
+        bucket = self.receiver.weights
+        if set(saved) != set(bucket):
+            only_bucket, only_saved = sorted(set(bucket) - set(saved)), sorted(set(saved) - set(bucket))
+            first = (only_bucket or only_saved)[0]
+            return False, (
+                f"no (names differ: {len(only_bucket)} only in the bucket, {len(only_saved)} only in "
+                f"save_pretrained, e.g. {first!r})"
+            )
+        differing = [
+            name
+            for name, tensor in saved.items()
+            if tuple(tensor.shape) != tuple(bucket[name].shape)
+            or not torch.equal(
+                (tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor).view(torch.int16),
+                bucket[name].view(torch.int16),
+            )
+        ]
+        if differing:
+            return False, f"no ({len(differing)} of {len(saved)} tensors differ, e.g. {differing[0]!r})"
+        return True, f"yes ({len(saved)} tensors: names, shapes and bf16 bits)"
 
     def _checkpoint_of(self, model: torch.nn.Module, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The trainer's weights as its checkpoint names and lays them out (fused MoE experts
@@ -269,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     deltas = [r for r in reports if r.delta]
     delta_bytes = sum(r.delta_bytes for r in deltas) / max(1, len(deltas))
     exact = bool(check.checked) and all(ok for _, ok in check.checked)
+    exact = exact and check.saved_check is not None and check.saved_check[0]
     if args.vllm_url:
         exact = exact and bool(check.server_checked) and all(ok for _, ok in check.server_checked)
         exact = exact and not check.server_refused
@@ -282,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         ("full bf16 model", f"{full_bytes:,} bytes ({delta_bytes / full_bytes:.2%} per delta)"),
         ("replica checks", f"{len(check.checked)}"),
         ("replica bit-exact", "yes" if all(ok for _, ok in check.checked) and check.checked else "no"),
+        ("bucket = save_pretrained", check.saved_check[1] if check.saved_check else "not compared (nothing published)"),
         *(
             [
                 ("vLLM server checks", f"{len(check.server_checked)}"),
