@@ -1,18 +1,128 @@
-"""The main example trains a checkpoint given with `--model` (here a local directory) instead of its built-in model."""
+"""The main example trains a checkpoint given with `--model` (here a local directory) instead of
+its built-in model: a matrix of tiny random-init checkpoints of several families, written by
+`save_pretrained` (nothing downloaded). On transformers 5 a mixture of experts keeps its experts
+fused at run time where its checkpoint has one tensor per expert; the bucket holds the
+checkpoint's tensors, and the example compares them with `save_pretrained` of the trained model."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from helpers import REPO
 
 EXAMPLE = REPO / "examples" / "grpo_delta_sync.py"
+
+#: Tiny and fast: two layers of width 128, two attention heads of 64 sharing one KV head,
+#: four experts (two per token) in a mixture of experts.
+_WIDTH = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
+_EXPERTS = {"moe_intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2}
+
+
+def _qwen3(transformers, **common):
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(intermediate_size=256, **common))
+
+
+def _llama(transformers, **common):
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(intermediate_size=256, **common))
+
+
+def _gemma3_text(transformers, **common):
+    """Its input and output embeddings are tied, as Gemma3's are by default."""
+    config = transformers.Gemma3TextConfig(intermediate_size=256, **common | {"tie_word_embeddings": True})
+    return transformers.Gemma3ForCausalLM(config)
+
+
+def _qwen3_moe(transformers, **common):
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(intermediate_size=256, **_EXPERTS, **common))
+
+
+def _qwen2_moe(transformers, **common):
+    """With a shared expert beside the routed ones."""
+    config = transformers.Qwen2MoeConfig(
+        intermediate_size=256, shared_expert_intermediate_size=128, **_EXPERTS, **common
+    )
+    return transformers.Qwen2MoeForCausalLM(config)
+
+
+def _mixtral(transformers, **common):
+    """Its checkpoint names the experts' block otherwise (`block_sparse_moe.experts.{e}.w1`)."""
+    config = transformers.MixtralConfig(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, **common)
+    return transformers.MixtralForCausalLM(config)
+
+
+#: family -> (builder, a tensor of its checkpoint that the run-time model does not have by that name, if any)
+FAMILIES: dict[str, tuple[Callable, str | None]] = {
+    "qwen3": (_qwen3, None),
+    "llama": (_llama, None),
+    "gemma3_text": (_gemma3_text, None),
+    "qwen3_moe": (_qwen3_moe, "model.layers.1.mlp.experts.3.down_proj.weight"),
+    "qwen2_moe": (_qwen2_moe, "model.layers.1.mlp.experts.3.down_proj.weight"),
+    "mixtral": (_mixtral, "model.layers.1.block_sparse_moe.experts.3.w2.weight"),
+}
+MOE = {family for family, (_, per_expert) in FAMILIES.items() if per_expert}
+ROWS = [
+    pytest.param(family, encoding, id=f"{family}-{encoding}")
+    for family in FAMILIES
+    for encoding in (("raw", "compact") if family in MOE else ("raw",))
+]
+
+
+class Checkpoints:
+    """Each family's tiny checkpoint, written by `save_pretrained` on first use (fp32, with the
+    tokenizer), shared by the rows that train it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._tokenizer = None
+        self._paths: dict[str, Path] = {}
+
+    def __getitem__(self, family: str) -> Path:
+        if family not in self._paths:
+            transformers = pytest.importorskip("transformers")
+            from tiny_model import build_tokenizer
+
+            if self._tokenizer is None:
+                self._tokenizer = build_tokenizer()
+            tokenizer = self._tokenizer
+            build, per_expert = FAMILIES[family]
+            torch.manual_seed(3)
+            model = build(
+                transformers,
+                **_WIDTH,
+                head_dim=64,
+                vocab_size=len(tokenizer),
+                tie_word_embeddings=False,
+                bos_token_id=None,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            path = self.root / family
+            model.save_pretrained(path)
+            tokenizer.save_pretrained(path)
+            if per_expert is not None:
+                # One tensor per expert in the checkpoint, fused into one per layer at run time
+                # by transformers 5 (transformers 4 keeps the checkpoint's tensors).
+                assert per_expert in load_file(str(path / "model.safetensors"))
+                if int(transformers.__version__.split(".")[0]) >= 5:
+                    assert per_expert not in dict(model.named_parameters())
+            self._paths[family] = path
+        return self._paths[family]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> Checkpoints:
+    return Checkpoints(tmp_path_factory.mktemp("checkpoints"))
 
 
 def test_model_and_base_model_dir_exclude_each_other(capsys):
@@ -24,9 +134,10 @@ def test_model_and_base_model_dir_exclude_each_other(capsys):
     assert "not allowed with argument" in capsys.readouterr().err
 
 
-def run_example(checkpoint: Path, bucket: Path, cwd: Path) -> str:
+def run_example(checkpoint: Path, bucket: Path, cwd: Path, encoding: str = "raw") -> str:
     """Runs the example on `checkpoint` for three steps (anchors at v1 and v3); its output."""
     args = ["--model", str(checkpoint), "--bucket", str(bucket), "--steps", "3", "--anchor-every", "2"]
+    args += ["--encoding", encoding]
     result = subprocess.run([sys.executable, str(EXAMPLE), *args], cwd=cwd, capture_output=True, text=True, timeout=900)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
@@ -46,68 +157,65 @@ def assert_bucket_verifies(bucket: Path) -> None:
     assert "verification passed (latest v3, replayed v3)" in verify.stdout
 
 
-@pytest.mark.slow
-def test_the_example_trains_a_checkpoint_directory_bit_exactly(tmp_path):
-    from tiny_model import build_tiny_model
-
-    # Not the example's built-in shape, so the table shows which model was trained.
-    checkpoint = tmp_path / "checkpoint"
-    model, _ = build_tiny_model(checkpoint, seed=3, hidden_size=64, num_layers=1)
-    parameters = sum(p.numel() for p in model.parameters())
-    bucket = tmp_path / "deltas"
-    output = run_example(checkpoint, bucket, tmp_path)
-    assert re.search(rf"full bf16 model\s+{2 * parameters:,} bytes", output), output[-3000:]
-    tensors = len(list(model.named_parameters()))
-    assert re.search(rf"bucket = save_pretrained\s+yes \({tensors} tensors: names, shapes and bf16 bits\)", output)
-    assert_bucket_verifies(bucket)
-
-
-@pytest.mark.slow
-def test_the_example_trains_a_qwen3_moe_checkpoint_and_its_bucket_is_save_pretrained(tmp_path):
-    """transformers fuses a Qwen3-MoE's experts at run time; the bucket holds the checkpoint's
-    per-expert tensors, and the example checks them against save_pretrained of the trained model."""
-    transformers = pytest.importorskip("transformers")
-    from safetensors.torch import load_file
-    from tiny_model import build_tokenizer
-
+def replay(bucket: Path, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The bucket's last version, as a replica that joins now replays it (the checkpoint's names
+    and shapes expected)."""
     from delta_sync import Receiver
 
-    checkpoint = tmp_path / "checkpoint"
-    tokenizer = build_tokenizer()
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        num_experts=4,
-        num_experts_per_tok=2,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(3)
-    transformers.Qwen3MoeForCausalLM(config).save_pretrained(checkpoint)
-    tokenizer.save_pretrained(checkpoint)
+    joiner = Receiver(load_weights=lambda weights: None, expected_shapes={name: t.shape for name, t in saved.items()})
+    joiner.update(bucket)
+    assert joiner.version == 3
+    return {name: tensor.clone() for name, tensor in joiner.weights.items()}
+
+
+def assert_loads_as_its_checkpoint(replayed: dict[str, torch.Tensor], checkpoint: Path) -> None:
+    """The replayed tensors are a checkpoint transformers loads with nothing missing, unexpected
+    or mismatched, and saves back unchanged, name for name and bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory(prefix="replayed-") as directory:
+        (Path(directory) / "config.json").write_text((checkpoint / "config.json").read_text())
+        save_file(replayed, str(Path(directory) / "model.safetensors"), metadata={"format": "pt"})
+        model, info = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+        model.save_pretrained(Path(directory) / "again")
+        again = load_file(str(Path(directory) / "again" / "model.safetensors"))
+    assert sorted(again) == sorted(replayed)
+    for name, tensor in replayed.items():
+        assert torch.equal(again[name].view(torch.int16), tensor.view(torch.int16)), f"{name} differs"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "encoding"), ROWS)
+def test_the_example_trains_a_checkpoint_and_its_bucket_is_save_pretrained(family, encoding, checkpoints, tmp_path):
+    checkpoint = checkpoints[family]
     saved = load_file(str(checkpoint / "model.safetensors"))
-    # Per expert in the checkpoint (fused into one tensor per layer at run time in transformers 5).
-    assert "model.layers.1.mlp.experts.3.down_proj.weight" in saved
     bucket = tmp_path / "deltas"
-    output = run_example(checkpoint, bucket, tmp_path)
+    output = run_example(checkpoint, bucket, tmp_path, encoding)
+    # The checkpoint's size, not the built-in model's: the table shows which model was trained.
     parameters = sum(tensor.numel() for tensor in saved.values())
     assert re.search(rf"full bf16 model\s+{2 * parameters:,} bytes", output), output[-3000:]
     assert re.search(
         rf"bucket = save_pretrained\s+yes \({len(saved)} tensors: names, shapes and bf16 bits\)", output
     ), output[-3000:]
     assert_bucket_verifies(bucket)
-    # A replica that joins now replays the checkpoint's own names and shapes.
-    joiner = Receiver(load_weights=lambda weights: None, expected_shapes={name: t.shape for name, t in saved.items()})
-    joiner.update(bucket)
-    assert joiner.version == 3
-    assert {name: tuple(t.shape) for name, t in joiner.weights.items()} == {
-        name: tuple(t.shape) for name, t in saved.items()
-    }
+
+    # The deltas are in the encoding asked for, and name the checkpoint's tensors.
+    for path in sorted((bucket / "deltas").glob("*.safetensors")):
+        with safe_open(str(path), "pt") as delta:
+            metadata = delta.metadata()
+        assert metadata["encoding"] == encoding, path.name
+        assert set(json.loads(metadata["changed_params"])) <= set(saved), path.name
+
+    # A replica that joins now replays the checkpoint's own names and shapes, in bf16.
+    replayed = replay(bucket, saved)
+    assert {name: tuple(t.shape) for name, t in replayed.items()} == {name: tuple(t.shape) for name, t in saved.items()}
+    assert all(tensor.dtype == torch.bfloat16 for tensor in replayed.values())
+    # Training moved weights away from the checkpoint (its bf16 rounding).
+    moved = [
+        name
+        for name, tensor in saved.items()
+        if not torch.equal(tensor.to(torch.bfloat16).view(torch.int16), replayed[name].view(torch.int16))
+    ]
+    assert moved, "no tensor changed in three steps"
+    assert_loads_as_its_checkpoint(replayed, checkpoint)
