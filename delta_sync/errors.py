@@ -9,7 +9,21 @@ from __future__ import annotations
 
 
 class DeltaSyncError(Exception):
-    """Base class of every error raised by delta-sync."""
+    """Base class of every error raised by delta-sync.
+
+    Errors pickle with their fields, so one raised in another process (a vLLM worker, a
+    torch.distributed rank, a multiprocessing pool) reaches the caller as itself.
+    """
+
+    def __reduce__(self) -> tuple:
+        # Exception's own reduction calls `cls(*args)`, which loses (or, where they are
+        # required, fails on) the keyword-only fields some subclasses take.
+        return _rebuilt, (type(self), self.args), self.__dict__
+
+
+def _rebuilt(cls: type[DeltaSyncError], args: tuple) -> DeltaSyncError:
+    """An error of `cls` with `args`, its fields set afterwards from the pickled state."""
+    return cls.__new__(cls, *args)
 
 
 class FormatError(DeltaSyncError):
