@@ -126,8 +126,10 @@ def main() -> None:
     sys.stdout.flush()
     os.write(sys.stdout.fileno(), f"RESULT {json.dumps(result)}\n".encode())
     # Torn down before the interpreter exits: a process group left to its destructor can
-    # abort the process on the way out ("terminate called without an active exception").
+    # abort the process on the way out ("terminate called without an active exception"), and
+    # so can one torn down while its peer still uses it: every rank meets first.
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 

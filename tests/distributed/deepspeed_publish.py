@@ -165,6 +165,7 @@ def main() -> None:
     if rank == 0:
         outcome.update(versions=versions, checksum=receiver.model_checksum)
     print("RESULT " + json.dumps(outcome), flush=True)
+    dist.barrier()  # every rank done before any tears the group down (see index_mapping.py)
     dist.destroy_process_group()
 
 

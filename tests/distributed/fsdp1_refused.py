@@ -36,6 +36,7 @@ def main() -> None:
     except UnsupportedLayoutError as exc:
         outcome = {"refused": True, "message": str(exc)}
     print("RESULT " + json.dumps({"rank": dist.get_rank(), **outcome}), flush=True)
+    dist.barrier()  # every rank done before any tears the group down (see index_mapping.py)
     dist.destroy_process_group()
 
 

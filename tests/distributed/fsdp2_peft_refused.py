@@ -48,6 +48,7 @@ def main() -> None:
         fully_shard(layer)
     fully_shard(model)
     print("RESULT " + json.dumps({"rank": dist.get_rank(), "refusal": train_begin_refusal(model, bucket)}), flush=True)
+    dist.barrier()  # every rank done before any tears the group down (see index_mapping.py)
     dist.destroy_process_group()
 
 

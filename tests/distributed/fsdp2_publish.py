@@ -140,6 +140,7 @@ def main() -> None:
         callback.on_train_end(training_args, state, None)
     if rank == 0:
         print("RESULT " + json.dumps({"versions": versions, "checksum": receiver.model_checksum}), flush=True)
+    dist.barrier()  # every rank done before any tears the group down (see index_mapping.py)
     dist.destroy_process_group()
 
 
