@@ -42,6 +42,10 @@ It also times the compact codec alone on a large model's tensors (20 tensors of 
 elements drawn from a normal(0, 0.02) init, 1-4% of each changed by an Adam-like step):
 encode and decode per model element and per changed element, wall and CPU time.
 
+It also runs the detector's torch path (what a GPU trainer runs) on CPU tensors of such a
+model and counts the bytes its operators allocate per changed element: at the peak, what it
+leaves on the host, and the temporaries a GPU would hold (`device_path`).
+
 Writes `DIR/results.json` (`variants.<name>.summary` and `.steps`), prints a table, and draws
 `DIR/bench_delta.png` when matplotlib is installed.
 
@@ -71,6 +75,7 @@ import numpy as np
 import safetensors.numpy
 import torch
 import zstandard
+from allocations import CountAllocations
 from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
 
@@ -79,7 +84,7 @@ from delta_sync.compact import decode_changes, encode_changes
 from delta_sync.encodings import raw_delta_tensors
 from delta_sync.format import SparseChange
 from delta_sync.integrity import tensor_checksum, updated_checksum
-from delta_sync.sparse import gather, scatter_
+from delta_sync.sparse import extract_changes_batched_, gather, scatter_
 
 LR = 3e-6
 PEERS = ("trl_raw", "trl_gap", "pulse", "nemo_xor")
@@ -633,6 +638,59 @@ def codec_speed(quick: bool, repeat: int = 5) -> dict:
     return out
 
 
+def device_path(quick: bool) -> dict:
+    """Memory and time of the detector's torch path (`extract_changes_batched_`: what a GPU
+    trainer runs, here on CPU tensors) on a large model's tensors (`codec_tensors`), with
+    bf16 weights and fp32 master weights, old values read from a host mirror or brought
+    along. Memory is every storage torch's operators allocate (`CountAllocations`), per
+    changed element: at the peak, what the call leaves (the host buffer of positions and
+    values), and their difference, the temporaries a GPU would hold in device memory, next
+    to the bound the path states (one tensor's temporaries at a time). Time is the best of
+    three calls on fresh snapshots, next to one clone of the weights."""
+    count, low, high = (6, 1 << 16, 1 << 18) if quick else (24, 1_000_000, 3_000_000)
+    changes, previous = codec_tensors(count, low, high, seed=1)
+    changed = sum(len(c) for c in changes.values())
+    numel = sum(t.numel() for t in previous.values())
+    rows = {}
+    for variant, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        currents = {}
+        for name, before in previous.items():
+            after = before.clone()
+            after[changes[name].indices.long()] = changes[name].values
+            currents[name] = after.to(dtype)
+        clone_seconds, _ = timed(lambda weights=currents: [t.clone() for t in weights.values()], repeat=3)
+        # Per tensor: its mask, its bf16 rounding (fp32 weights) and 16 B per change of it.
+        per_tensor = max(
+            previous[n].numel() * (1 + (2 if dtype != torch.bfloat16 else 0)) + 16 * len(changes[n]) for n in previous
+        )
+        for old_values in (False, True):
+            pairs = [(currents[n], previous[n].clone(), torch.int32) for n in previous]
+            with CountAllocations() as counted:
+                found = extract_changes_batched_(pairs, old_values=old_values)
+            assert sum(0 if f is None else len(f[0]) for f in found) == changed
+            left = counted.live  # the host buffer the results are views of
+            del found
+            seconds = math.inf
+            for _ in range(3):  # on fresh snapshots each time, made outside the clock
+                pairs = [(currents[n], previous[n].clone(), torch.int32) for n in previous]
+                started = time.perf_counter()
+                extract_changes_batched_(pairs, old_values=old_values)
+                seconds = min(seconds, time.perf_counter() - started)
+            rows[f"{variant}{'' if old_values else '-mirror'}"] = {
+                "peak_B_per_changed": counted.peak / changed,
+                "host_B_per_changed": left / changed,
+                "device_B_per_changed": (counted.peak - left) / changed,
+                "device_peak_bytes": counted.peak - left,
+                "bound_device_bytes": per_tensor,
+                "bound_B_per_changed": (8 if old_values else 6) + per_tensor / changed,
+                "bound_host_B_per_changed": 8 if old_values else 6,
+                "allocated_B_per_changed": counted.allocated / changed,
+                "seconds": seconds,
+                "x_clone": seconds / clone_seconds,
+            }
+    return {"tensors": count, "numel": numel, "changed": changed, "rows": rows}
+
+
 def gil_check(encode: Callable[[], object], encode_seconds: float, window: float = 0.25) -> dict:
     """How far a Python thread gets while `encode` runs on another: the training loop's
     stand-in (on a GPU trainer, the thread that launches kernels).
@@ -745,6 +803,22 @@ def print_table(results: dict) -> None:
             f"(the encode took {1e3 * gil['encode_seconds']:.1f} ms, {1e3 * gil['encode_alone_seconds']:.1f} alone; "
             f"{gil['cpus']} cores)"
         )
+    path = results.get("device_path")
+    if path:
+        print()
+        print(
+            f"device path (extract_changes_batched_, on CPU tensors) on {path['tensors']} tensors, "
+            f"{path['numel'] / 1e6:.0f}M elements, {path['changed'] / path['numel']:.2%} changed; bytes per changed element:"
+        )
+        print(
+            f"  {'weights':<12} {'peak':>6} {'host':>6} {'device':>6} {'bound':>6} {'allocated':>9} {'ms':>7} {'x clone':>7}"
+        )
+        for name, row in path["rows"].items():
+            print(
+                f"  {name:<12} {row['peak_B_per_changed']:>6.2f} {row['host_B_per_changed']:>6.2f} "
+                f"{row['device_B_per_changed']:>6.2f} {row['bound_B_per_changed']:>6.2f} "
+                f"{row['allocated_B_per_changed']:>9.2f} {1e3 * row['seconds']:>7.1f} {row['x_clone']:>7.2f}"
+            )
     if "first_call_seconds" in results:
         print()
         print(
@@ -848,6 +922,7 @@ def main(argv: list[str] | None = None) -> dict:
     results["verify_scaling"] = verify_scaling(scaling, changed=1 << 14)
     results["codec_speed"] = codec_speed(args.quick)
     results["gil_check"] = results["codec_speed"].pop("gil_check")
+    results["device_path"] = device_path(args.quick)
     print_table(results)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(f"wrote {out / 'results.json'}")

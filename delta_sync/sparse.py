@@ -16,7 +16,7 @@ tens of seconds).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numba
 import numpy as np
@@ -27,6 +27,7 @@ from numba.extending import overload
 
 from .addresses import as_bfloat16, view
 from .bitmasks import LANES, differ, differ_rounded
+from .staging import HostBuffers
 
 __all__ = [
     "changed_positions",
@@ -360,32 +361,49 @@ def _record(snapshot, i, value, positions, new, old, count):
 
 
 def extract_changes_batched_(
-    pairs: list[tuple[torch.Tensor, torch.Tensor, torch.dtype]], *, old_values: bool = True
+    pairs: Sequence[tuple[torch.Tensor | Callable[[], torch.Tensor], torch.Tensor, torch.dtype]],
+    *,
+    old_values: bool = True,
+    host_buffers: HostBuffers | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None]:
     """[`extract_changes_`] for many tensors at once, with torch operations only: the path
     for tensors the compiled pass does not take (on a GPU, non-contiguous, other dtypes),
-    with a fixed number of host synchronisations per call, whatever the number of tensors.
+    with a fixed number of host synchronisations per device, whatever the number of tensors.
 
     Each current tensor is rounded to bf16 as `tensor.to(torch.bfloat16)` does and compared
     bitwise with its snapshot twice: once to count the changes of every tensor (one
-    synchronisation for all the counts), once to list them into buffers of exactly that size
-    (`nonzero_static`, no synchronisation). The snapshot is advanced at the changed positions
-    only. Positions, new and old values of every tensor then cross to the host together, in
-    one copy per kind (into pinned memory from a GPU, without blocking) and one more
-    synchronisation. No mask outlives its tensor's turn, so device memory grows by at most one
-    tensor's mask plus the changes.
+    synchronisation per device for all its counts), once to list them (`nonzero_static` of
+    exactly that size). The counts size one host buffer for the whole call; each tensor's
+    positions, new and old values are copied into it as soon as they are listed (from a GPU
+    into pinned memory, without blocking) and the snapshot advanced at those positions
+    only, so its device temporaries are freed before the next tensor's are made. One more
+    synchronisation per device ends the call. A model spread over several devices
+    (`device_map="auto"`, parts on the CPU) is counted and synchronised device by device.
+
+    Memory, beyond the weights and the snapshot: on the device, one tensor at a time, its
+    mask (1 byte per element), its bf16 rounding where the weights are not bf16 on the
+    snapshot's device (2 bytes per element) and 16 bytes per changed element of that tensor
+    (int64 positions, their int32 copy, new and old values); nothing that grows with the
+    step's changes. On the host, the one buffer: per changed element 4 bytes of positions
+    (8 where a tensor has 2^31 elements or more), 2 of new values and 2 of old values with
+    `old_values`.
 
     Args:
         pairs: `(current, snapshot, index dtype)` per tensor: the weights now (any float
-            dtype, any layout, as many elements as the snapshot), the contiguous bf16
-            snapshot on the same device, and the dtype of the positions (int32 or int64).
+            dtype, any layout, as many elements as the snapshot), or a function that
+            computes them (a PEFT merge), called once per pass, so that no computed weight
+            outlives its turn (it must give the same bits each time), the contiguous bf16
+            snapshot on the weights' device or the host, and the dtype of the positions
+            (int32 or int64).
         old_values: Bring the old values to the host too; without them (a caller that
             has them on the host already, e.g. a host mirror) 2 bytes less cross per change.
+        host_buffers: Where the host buffer comes from when a snapshot is on a GPU (a
+            bounded pool of pinned buffers); by default pinned by torch's allocator.
 
     Returns:
-        Per pair, `(positions, new values, old values)` as host tensors (ascending flat
-        positions of the dtype asked for, bf16 values; old values None without
-        `old_values`), or None where nothing changed.
+        Per pair, `(positions, new values, old values)` as host tensors, views of the one
+        host buffer (ascending flat positions of the dtype asked for, bf16 values; old
+        values None without `old_values`), or None where nothing changed.
 
     Example:
         ```python
@@ -394,45 +412,56 @@ def extract_changes_batched_(
     """
     if not pairs:
         return []
-
-    def rounded(current: torch.Tensor, snapshot: torch.Tensor) -> torch.Tensor:
-        # Rounded where the weights live, then moved: 2 bytes an element cross, not 4.
-        return current.detach().reshape(-1).to(torch.bfloat16).to(snapshot.device).view(torch.int16)
-
-    counts = torch.stack([(rounded(cur, snap) != snap.view(-1).view(torch.int16)).sum() for cur, snap, _ in pairs])
-    counts = counts.tolist()  # the first synchronisation
-    positions, new, old = [], [], []
+    devices = list(dict.fromkeys(snapshot.device for _, snapshot, _ in pairs))
+    counts = [0] * len(pairs)
+    stacked = {
+        device: torch.stack(
+            [_changed(current, snapshot).sum() for current, snapshot, _ in pairs if snapshot.device == device]
+        )
+        for device in devices
+    }
+    for device, device_counts in stacked.items():  # the first synchronisation, per device
+        chosen = (i for i, (_, snapshot, _) in enumerate(pairs) if snapshot.device == device)
+        for i, count in zip(chosen, device_counts.tolist()):
+            counts[i] = count
+    total = sum(counts)
+    if not total:
+        return [None] * len(pairs)
+    # Positions cross as int32 unless a tensor is too large for it: 4 bytes a change, not 8.
+    wide = any(snapshot.numel() > torch.iinfo(torch.int32).max for _, snapshot, _ in pairs)
+    position_dtype = torch.int64 if wide else torch.int32
+    host_positions, host_new, host_old = _host_buffer(
+        total, position_dtype, old_values, any(d.type == "cuda" for d in devices), host_buffers
+    )
+    start = 0
     for (current, snapshot, _), count in zip(pairs, counts):
         if not count:
             continue
-        bits, snap = rounded(current, snapshot), snapshot.view(-1).view(torch.int16)
+        end = start + count
+        bits, snap = _rounded(current, snapshot), snapshot.view(-1).view(torch.int16)
         found = torch.nonzero_static(bits != snap, size=count).squeeze(1)
         values = bits[found]
-        positions.append(found)
-        if old_values:
-            old.append(snap[found])
-        new.append(values)
+        _copy_to_host(host_positions[start:end], found)
+        _copy_to_host(host_new[start:end], values)
+        if host_old is not None:
+            _copy_to_host(host_old[start:end], snap[found])
         snap[found] = values
-    if not positions:
-        return [None] * len(pairs)
-    device = positions[0].device
-    # Positions cross as int32 unless a tensor is too large for it: 4 bytes a change, not 8.
-    wide = any(snapshot.numel() > torch.iinfo(torch.int32).max for _, snapshot, _ in pairs)
-    crossing = torch.cat(positions).to(torch.int64 if wide else torch.int32)
-    host = [_to_host(part, device) for part in (crossing, torch.cat(new), *([torch.cat(old)] if old_values else []))]
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()  # the second synchronisation
-    host_positions, host_new, host_old = (*host, None) if not old_values else host
-    results: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = []
+        start = end
+        # Freed before the next tensor's are made, not when the names are bound again.
+        del bits, snap, found, values
+    for device in devices:  # the second synchronisation, per device
+        _synchronize(device)
+    results: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None] = []
     start = 0
     for (_, _, dtype), count in zip(pairs, counts):
         if not count:
             results.append(None)
             continue
         end = start + count
+        positions = host_positions[start:end]
         results.append(
             (
-                host_positions[start:end].to(dtype),
+                positions if positions.dtype == dtype else positions.to(dtype),
                 host_new[start:end].view(torch.bfloat16),
                 None if host_old is None else host_old[start:end].view(torch.bfloat16),
             )
@@ -441,11 +470,47 @@ def extract_changes_batched_(
     return results
 
 
-def _to_host(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host copy of `tensor`: from a GPU into pinned memory without blocking (the caller
-    synchronises once), else the tensor itself."""
-    if device.type != "cuda":
-        return tensor
-    staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    staged.copy_(tensor, non_blocking=True)
-    return staged
+def _rounded(current: torch.Tensor | Callable[[], torch.Tensor], snapshot: torch.Tensor) -> torch.Tensor:
+    """The weights' bf16 bits, flat, on the snapshot's device: rounded where the weights
+    live, then moved (2 bytes an element cross, not 4); the weights themselves when they are
+    contiguous bf16 there already."""
+    if callable(current):
+        current = current()
+    return current.detach().reshape(-1).to(torch.bfloat16).to(snapshot.device).view(torch.int16)
+
+
+def _changed(current: torch.Tensor | Callable[[], torch.Tensor], snapshot: torch.Tensor) -> torch.Tensor:
+    """Mask of the elements whose bf16 bits differ from the snapshot's."""
+    return _rounded(current, snapshot) != snapshot.view(-1).view(torch.int16)
+
+
+def _host_buffer(
+    total: int, position_dtype: torch.dtype, old_values: bool, pinned: bool, host_buffers: HostBuffers | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One host buffer for `total` changes, cut into positions, new values and (with
+    `old_values`) old values; positions first, so that they are aligned for any width."""
+    position_bytes = torch.empty(0, dtype=position_dtype).element_size()
+    sizes = [total * position_bytes, 2 * total] + ([2 * total] if old_values else [])
+    if pinned and host_buffers is not None:
+        buffer = host_buffers.take(sum(sizes))
+    else:
+        # Pinned only where CUDA is: a placed stand-in of a device on a host without one.
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=pinned and torch.cuda.is_available())
+    parts = buffer.split(sizes)
+    return parts[0].view(position_dtype), parts[1].view(torch.int16), parts[2].view(torch.int16) if old_values else None
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device`'s current stream (nothing to wait for on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def _copy_to_host(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """`destination.copy_(source)`: from a GPU without blocking (the caller synchronises
+    each device once), narrowed to the destination's dtype on the device first, so that
+    the narrow form is what crosses."""
+    if source.device.type == "cpu":
+        destination.copy_(source)
+        return
+    destination.copy_(source.to(destination.dtype), non_blocking=True)

@@ -69,6 +69,12 @@ def reward_cats(completions: list[str], **kwargs) -> list[float]:
     return [completion.count("cat") + len(completion) / 20 for completion in completions]
 
 
+def host_bf16(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainer's weights as published (bf16), on the host: the replica and the bucket's
+    tensors are there, and `torch.equal` refuses tensors on two devices (a trainer on a GPU)."""
+    return {name: p.detach().to("cpu", torch.bfloat16) for name, p in model.named_parameters()}
+
+
 class ReplicaCheck(TrainerCallback):
     """After each sync, compares the trainer's bf16 weights with a replica that follows the
     bucket on its own and, with `--vllm-url`, with what the vLLM server reports serving."""
@@ -99,7 +105,7 @@ class ReplicaCheck(TrainerCallback):
         version = state.global_step
         if self.sync.publisher is None or self.sync.publisher.last_version != version:
             return
-        trainer_params = {name: p.detach().to(torch.bfloat16) for name, p in model.named_parameters()}
+        trainer_params = host_bf16(model)
         trainer_bits = self._checkpoint_of(model, trainer_params)
         self.sync.publisher.flush()
         self.receiver.update(self.bucket)
@@ -110,7 +116,7 @@ class ReplicaCheck(TrainerCallback):
             for name, bits in trainer_bits.items()
         )
         exact = exact and all(
-            torch.equal(bits.view(torch.int16), self.replica.get_parameter(name).view(torch.int16))
+            torch.equal(bits.view(torch.int16), self.replica.get_parameter(name).detach().cpu().view(torch.int16))
             for name, bits in trainer_params.items()
         )
         self.checked.append((version, exact))
@@ -123,8 +129,7 @@ class ReplicaCheck(TrainerCallback):
         # With max_staleness > 0 replicas may lag during training; DeltaSyncCallback has
         # waited for the last version by now.
         if self.sync.replicas is not None and self.sync.config.max_staleness > 0:
-            params = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
-            self._check_server(state.global_step, self._checkpoint_of(model, params))
+            self._check_server(state.global_step, self._checkpoint_of(model, host_bf16(model)))
         if self.sync.publisher is not None and self.sync.publisher.last_version is not None:
             self.saved_check = self._check_save_pretrained(model)
 

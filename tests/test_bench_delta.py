@@ -59,6 +59,15 @@ def test_bench_delta_quick_writes_results(tmp_path):
     assert 0 < speed["changed"] < speed["numel"] and 0 < speed["bytes_per_changed"] < 1.5
     for what in ("encode", "decode", "clone"):
         assert speed[what]["wall_seconds"] > 0 and speed[what]["wall_ns_per_element"] > 0, what
+    # The device path's memory per changed element: the host buffer (6 B with a mirror, 8
+    # without) and one tensor's temporaries, within the bound the path states.
+    path = report["device_path"]
+    assert set(path["rows"]) == {"bf16", "bf16-mirror", "fp32", "fp32-mirror"}
+    for name, row in path["rows"].items():
+        assert row["host_B_per_changed"] == pytest.approx(6.0 if name.endswith("-mirror") else 8.0), name
+        assert 0 < row["device_peak_bytes"] <= row["bound_device_bytes"], name
+        assert row["peak_B_per_changed"] <= row["bound_B_per_changed"] and row["seconds"] > 0, name
+    assert "device path" in result.stdout
     gil = report["gil_check"]
     assert 0 < gil["progress"] and gil["encode_seconds"] > 0 and gil["cpus"] >= 1
     if any(name.startswith("minilm") for name in report["variants"]) or report["skipped"]:

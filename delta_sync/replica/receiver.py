@@ -183,7 +183,12 @@ class ModuleWeightLoader:
                 if patch.positions is None or not param.is_contiguous():
                     param.copy_(patch.tensor)
                 else:
-                    param.view(-1)[patch.positions] = patch.tensor.reshape(-1)[patch.positions].to(param.dtype)
+                    # Only the changed values cross to the parameter's device (a replica on a GPU
+                    # gets host tensors from the bucket), each operand moved to where it is written.
+                    flat = patch.tensor.reshape(-1)
+                    values = flat[patch.positions.to(flat.device)]
+                    positions = patch.positions.to(param.device)
+                    param.view(-1)[positions] = values.to(param.device, param.dtype)
 
 
 def _checkpoint_layout(module: nn.Module):

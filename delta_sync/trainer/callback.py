@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from ..changes import Encoding
@@ -14,10 +15,12 @@ from ..control.client import PauseMode, ReplicaOptions
 from ..errors import UnsupportedLayoutError
 from . import trl_vllm
 from .adapter import AdapterPublisher, PeftPublish
-from .detector import BF16ChangeDetector
+from .checkpoint import CheckpointLayout, check_checkpoint_names
+from .detector import BF16ChangeDetector, checkpoint_parameters
+from .merged import merged_weights
 from .publisher import Publisher, PublisherOptions, PublishReport
 from .replicas import ReplicaSet
-from .sharding import verify_across_ranks
+from .sharding import ModelLayout, describe_model, verify_across_ranks
 
 if TYPE_CHECKING:
     from trl.generation.vllm_generation import VLLMGeneration
@@ -262,16 +265,21 @@ class DeltaSyncCallback(TrainerCallback):
             self._begin_adapter_mode(state, model)
             return
         # Every rank decides the layout (refusing any that cannot be published exactly) and
-        # checks it against the others before anything is written.
+        # checks it against the others before anything is written, but only a rank that
+        # publishes builds a detector: its snapshot and host mirror are a model's worth of
+        # device and host memory, which with whole parameters (DDP, ZeRO-1/2) every rank but
+        # rank 0 would copy only to drop again (8 ranks x 16 GB of host memory for an 8B model).
+        layout, named_parameters = published_layout(model)
+        verify_across_ranks(layout, named_parameters.items())
+        if not (layout.sharded or state.is_world_process_zero):
+            return  # whole parameters: rank 0 publishes them alone
         self.detector = BF16ChangeDetector(
-            model, optimizer, snapshot_device=config.snapshot_device, host_mirror=config.host_mirror
+            model,
+            optimizer,
+            snapshot_device=config.snapshot_device,
+            host_mirror=config.host_mirror,
+            layout=layout,
         )
-        verify_across_ranks(self.detector.layout, self.detector.named_parameters())
-        if not (self.detector.layout.sharded or state.is_world_process_zero):
-            # Whole parameters (DDP, ZeRO-1/2): rank 0 publishes them alone.
-            self.detector.close()
-            self.detector = None
-            return
         self.publisher = Publisher(
             config.bucket, self.detector, config.publisher_options, on_published=[self._announce]
         )
@@ -410,6 +418,23 @@ class DeltaSyncCallback(TrainerCallback):
     def reports(self) -> list[PublishReport]:
         """Every version published so far (stored ones only, in order)."""
         return [] if self.publisher is None else list(self.publisher.reports)
+
+
+def published_layout(model: nn.Module) -> tuple[ModelLayout, dict[str, nn.Parameter]]:
+    """What a rank publishes, found without copying a weight: the model's [`ModelLayout`] and
+    its parameters by checkpoint name, as [`BF16ChangeDetector`] names them (a PEFT model's
+    as its merged weights), with the same refusals of names and layouts it would make.
+
+    Every rank runs it, so a refusal stops all ranks alike; the ranks that publish hand the
+    layout on to their detector.
+    """
+    merged = merged_weights(model)
+    params = checkpoint_parameters(model, merged)
+    root = model if merged is None else merged.root
+    check_checkpoint_names(params, root)
+    layout = describe_model(params.items(), model)
+    CheckpointLayout.of(root, layout.shapes).published_layout(layout)
+    return layout, params
 
 
 def _refuse_independent_trainers(args: TrainingArguments, bucket: str) -> None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +16,8 @@ from ..errors import UnservableModelError
 from ..format import SparseChange, index_dtype
 from ..parallel import parallel_map, shares
 from ..sparse import extract_changes_batched_, extract_changes_many_
+from ..staging import HostBuffers
+from ..streams import caller_streams, on_streams
 from ..version import sparsity
 from .checkpoint import CheckpointLayout, canonical_name, check_checkpoint_names
 from .merged import MergedWeights, merged_weights
@@ -46,8 +49,33 @@ def inner_optimizer(optimizer: object) -> torch.optim.Optimizer | None:
     return optimizers[-1]
 
 
+def checkpoint_parameters(model: nn.Module, merged: MergedWeights | None) -> dict[str, nn.Parameter]:
+    """The parameters a detector of `model` tracks, by checkpoint name: `model`'s own, wrapper
+    segments dropped from their names, or, for a PEFT model (`merged`, from
+    [`merged_weights`]), its served weights.
+
+    Raises:
+        ValueError: Two parameters map to one checkpoint name.
+    """
+    if merged is not None:
+        return dict(merged.parameters)
+    params: dict[str, nn.Parameter] = {}
+    for raw_name, param in model.named_parameters():
+        name = canonical_name(raw_name)
+        if params.setdefault(name, param) is not param:
+            raise ValueError(f"two parameters map to the checkpoint name {name!r}")
+    return params
+
+
 #: What extracting one parameter's changes gives: positions, new values, old values.
 _Found = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+#: The weights the batched path compares: read, or computed when it comes to them.
+_Current = torch.Tensor | Callable[[], torch.Tensor]
+
+#: Merged weights of a PEFT model alive at once while the compiled pass runs, over all
+#: pool threads (each a full copy of its base weight).
+MERGES_IN_FLIGHT = 2
+_MERGING = threading.BoundedSemaphore(MERGES_IN_FLIGHT)
 
 
 @dataclass
@@ -119,9 +147,12 @@ class BF16ChangeDetector:
 
     Memory: the snapshot (2 bytes per element this rank holds) plus, while [`changes`]
     runs, the changed elements (CPU tensors are compared in one compiled pass with no
-    full-size temporary; others through one parameter's mask and bf16 copy at a time);
-    with a snapshot on a GPU, by default, a host mirror of it (2 bytes per element of host
-    memory, see `host_mirror`).
+    full-size temporary; others one parameter at a time, its mask, bf16 copy and changes
+    on the device, each change copied at once into one host buffer per call: 6 bytes per
+    changed element with a host mirror, 8 without, see
+    `delta_sync.sparse.extract_changes_batched_`); a PEFT model's merged weights, at most
+    `MERGES_IN_FLIGHT` at once; with a snapshot on a GPU, by default, a host mirror of it
+    (2 bytes per element of host memory, see `host_mirror`).
 
     Args:
         model: The model being trained (any wrapper: DDP, Accelerate, torch.compile, FSDP2,
@@ -134,6 +165,9 @@ class BF16ChangeDetector:
             element this rank publishes. Default: when the snapshot is not on the CPU.
         layout: How the parameters are spread over ranks; by default
             [`describe_model`] of `model` (which refuses layouts that cannot be published).
+        change_sets_alive: Change sets the caller keeps at once (a publisher: its
+            `max_pending` + 2): the pinned host buffers kept for changes from a GPU, one
+            per change set, reused once it is gone.
 
     Raises:
         UnsupportedLayoutError: The model's layout cannot be published exactly (FSDP1,
@@ -164,6 +198,7 @@ class BF16ChangeDetector:
         snapshot_device: torch.device | str | None = None,
         host_mirror: bool | None = None,
         layout: ModelLayout | None = None,
+        change_sets_alive: int = 4,
     ) -> None:
         self.model = model
         self.optimizer = inner_optimizer(optimizer)
@@ -193,6 +228,8 @@ class BF16ChangeDetector:
             host_mirror = any(tensor.device.type != "cpu" for tensor in self._snapshot.values())
         #: The host copy of the snapshot, if kept (see `host_mirror`).
         self.mirror: HostMirror | None = HostMirror(self._snapshot) if host_mirror else None
+        #: The pinned host memory changes cross into from a GPU, reused (see `delta_sync.staging`).
+        self._host_buffers = HostBuffers(change_sets_alive, pinned=True)
         self._touched: set[str] = set()
         self._steps = 0
         #: Held while the snapshot is read or written; a background anchor writer holds it
@@ -218,18 +255,12 @@ class BF16ChangeDetector:
     # -- names -------------------------------------------------------------------------
 
     def _index_names(self, *, strict: bool) -> None:
+        self._params = checkpoint_parameters(self.model, self.merged)
         if self.merged is not None:
             # LoRA parameters map to the served weight they change; base weights to theirs.
-            self._params, self._names = dict(self.merged.parameters), dict(self.merged.owners)
+            self._names = dict(self.merged.owners)
         else:
-            params: dict[str, nn.Parameter] = {}
-            for raw_name, param in self.model.named_parameters():
-                name = canonical_name(raw_name)
-                if name in params and params[name] is not param:
-                    raise ValueError(f"two parameters map to the checkpoint name {name!r}")
-                params[name] = param
-            self._params = params
-            self._names = {id(param): name for name, param in params.items()}
+            self._names = {id(param): name for name, param in self._params.items()}
         if strict:
             unknown = [p for p in self._optimizer_params() if id(p) not in self._names]
             if unknown:
@@ -347,8 +378,12 @@ class BF16ChangeDetector:
         with self.snapshot_lock:
             names = sorted(self._touched)
             found, declined = {}, {}
+            # The pool threads queue their device work on the caller's streams: a loop that
+            # trains under `torch.cuda.stream(s)` has its weights written on `s`.
+            streams = caller_streams(self._snapshot[name].device for name in names)
             by_size = shares(names, lambda name: self._snapshot[name].numel())
-            for share, results in zip(by_size, parallel_map(self._extract_compiled, by_size)):
+            work = [(share, streams) for share in by_size]
+            for share, results in zip(by_size, parallel_map(self._extract_compiled, work)):
                 for name, (result, current) in zip(share, results):
                     found[name] = result
                     if current is not None:
@@ -357,7 +392,12 @@ class BF16ChangeDetector:
             # torch together, with a fixed number of host synchronisations for all of them.
             batch = [(current, self._snapshot[n], self._index_dtype(n)) for n, current in declined.items()]
             # With a host mirror, old values are read there (before it moves on below).
-            found.update(zip(declined, extract_changes_batched_(batch, old_values=self.mirror is None)))
+            found.update(
+                zip(
+                    declined,
+                    extract_changes_batched_(batch, old_values=self.mirror is None, host_buffers=self._host_buffers),
+                )
+            )
             extracted = [self._change(name, found[name]) for name in names]
             changes, old_values, local_indices = {}, {}, {}
             for name, (change, old, local) in zip(names, extracted):
@@ -386,12 +426,44 @@ class BF16ChangeDetector:
         shard = self._shards[name]
         return index_dtype(math.prod(shard.global_shape)) if shard.whole else torch.int64
 
-    def _extract_compiled(self, names: list[str]) -> list[tuple[_Found | None, torch.Tensor | None]]:
-        """Changed elements of CPU parameters through the compiled pass, in one call for all
-        of `names`, which advances their snapshots at the changes only: per name,
-        `((positions, new, old), None)`; or `(None, current)` where the pass does not apply,
-        with the weights it read (computed once: a PEFT model's merged weight costs a matrix
-        product)."""
+    def _extract_compiled(
+        self, work: tuple[list[str], Mapping[torch.device, torch.cuda.Stream]]
+    ) -> list[tuple[_Found | None, _Current | None]]:
+        """Changed elements of CPU parameters through the compiled pass, which advances their
+        snapshots at the changes only: per name, `((positions, new, old), None)`; or
+        `(None, current)` where the pass does not apply, with the weights it read or, for a
+        PEFT model's merged weight, what computes them again.
+
+        Runs on a pool thread, its device work on the caller's `streams` (device -> stream).
+        Parameters go to the pass in one call; merged weights one at a time, each made just
+        before its pass and dropped after it, at most `MERGES_IN_FLIGHT` at once over all
+        threads: each is a full-size copy of its base weight (a model with LoRA on every
+        linear layer would otherwise hold a second copy of most of itself).
+        """
+        names, streams = work
+        adapted = {} if self.merged is None else self.merged.adapted
+        with on_streams(streams):
+            plain = [name for name in names if name not in adapted]
+            results = dict(zip(plain, self._extract_read(plain)))
+            for name in names:
+                if name not in adapted:
+                    continue
+                if self._snapshot[name].device.type != "cpu":
+                    # Merged on the device, one at a time, when the batch comes to it: once to
+                    # count, once to list, each time from the same weights on the same stream,
+                    # which cuBLAS computes to the same bits (its reproducibility guarantee
+                    # holds for one architecture and one stream); never held between.
+                    results[name] = (None, functools.partial(self._value, name))
+                    continue
+                with _MERGING:
+                    found, current = self._extract_read([name])[0]
+                results[name] = (found, None if current is None else functools.partial(self._value, name))
+                del current
+        return [results[name] for name in names]
+
+    def _extract_read(self, names: list[str]) -> list[tuple[_Found | None, torch.Tensor | None]]:
+        """The compiled pass over `names` in one call: per name, `(found, None)` or
+        `(None, the weights read)` where the pass does not apply."""
         currents = []
         for name in names:
             current = local_tensor(self._value(name))  # read by address: no `detach()` call, which drops the GIL

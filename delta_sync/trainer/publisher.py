@@ -17,6 +17,7 @@ exchange among ranks at each publish, flush or close.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -227,7 +228,11 @@ class Publisher:
             detector,
             self._ranks,
             self._schedule,
-            version_id=self._version_id,
+            # Not a bound method of this publisher: the writer holds the detector, so a cycle
+            # through it would keep the model and optimizer alive after close() until a full
+            # garbage collection (on a GPU, device memory that empty_cache() cannot free).
+            # The run id and epoch are final once the prefix is joined, above.
+            version_id=functools.partial(VersionId, run_id=self.run_id, epoch=self.epoch),
             encoding=options.encoding,
             keep_anchors=options.keep_anchors,
             signing_key=self.signing_key,
@@ -256,9 +261,6 @@ class Publisher:
         if refusal is not None:
             raise PublishError(refusal)
         return resumed
-
-    def _version_id(self, version: int, anchor_version: int) -> VersionId:
-        return VersionId(version, anchor_version, self.run_id, self.epoch)
 
     # -- caller side -----------------------------------------------------------------
 
