@@ -97,6 +97,45 @@ def test_trls_own_client_carries_the_callbacks_token_and_headers(tmp_path, monke
     assert ("GET", "/v1/models") in vllm_ext_auth().STATUS_ROUTES
 
 
+def test_vllm_034s_routes_are_classified_and_its_checkpoint_routes_need_the_token():
+    """vLLM 0.34 moved the fault-tolerance status under `/v1` and added `/v1/decisions` and
+    `/checkpoint/{prepare,restore,status}`: a status probe of a guarded 0.34 server needs no
+    token, preparing or restoring a checkpoint (which drains the engine) does."""
+    import asyncio
+
+    auth = vllm_ext_auth()
+    reached = []
+
+    async def app(scope, receive, send) -> None:
+        reached.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    guarded = auth.WeightRouteAuthMiddleware(app, token="t0ken")
+
+    async def status(method: str, path: str) -> int:
+        transport = httpx.ASGITransport(app=guarded)
+        async with httpx.AsyncClient(transport=transport, base_url="http://replica") as client:
+            return (await client.request(method, path)).status_code
+
+    expected = {
+        ("GET", "/v1/fault_tolerance/status"): ("status", 200),
+        ("GET", "/fault_tolerance/status"): ("status", 200),  # 0.32
+        ("GET", "/checkpoint/status"): ("status", 200),
+        ("POST", "/v1/decisions"): ("inference", 200),
+        ("POST", "/checkpoint/prepare"): ("guarded", 401),
+        ("POST", "/checkpoint/restore"): ("guarded", 401),
+        ("POST", "/v1/fault_tolerance/apply"): ("guarded", 401),
+    }
+    for (method, path), (kind, code) in expected.items():
+        assert auth.route_class(method, path) == kind, path
+        assert asyncio.run(status(method, path)) == code, path
+    assert auth.route_class("POST", "/a_route_of_a_later_vllm") is None  # guarded, and noticed
+    # The three lists never disagree: a guarded route is neither a status nor an inference one.
+    assert not auth.GUARDED_ROUTES & auth.STATUS_ROUTES
+    assert not {path for _, path in auth.GUARDED_ROUTES} & auth.INFERENCE_ROUTES
+
+
 # -- against a real server ------------------------------------------------------------------
 
 

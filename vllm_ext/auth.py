@@ -47,14 +47,23 @@ from typing import Any, ClassVar
 # Defined once, in the control-plane contract both sides import.
 from delta_sync.control import API_TOKEN_ENV, TOKEN_HEADER
 
-__all__ = ["API_TOKEN_ENV", "INFERENCE_ROUTES", "STATUS_ROUTES", "TOKEN_HEADER", "WeightRouteAuthMiddleware"]
+__all__ = [
+    "API_TOKEN_ENV",
+    "GUARDED_ROUTES",
+    "INFERENCE_ROUTES",
+    "STATUS_ROUTES",
+    "TOKEN_HEADER",
+    "WeightRouteAuthMiddleware",
+    "route_class",
+]
 
 logger = logging.getLogger("delta_sync")
 
 
-#: vLLM 0.32's read-only status and health routes, as (method, path): they change nothing
-#: and reveal no configuration. TRL's `VLLMClient` calls `/health` and `/v1/models` before
-#: it can carry a token. `HEAD` is answered as `GET`.
+#: vLLM's read-only status and health routes (0.32 through 0.34), as (method, path): they
+#: change nothing and reveal no configuration. TRL's `VLLMClient` calls `/health` and
+#: `/v1/models` before it can carry a token; orchestrators poll `/checkpoint/status`.
+#: `HEAD` is answered as `GET`.
 STATUS_ROUTES: frozenset[tuple[str, str]] = frozenset(
     {
         ("GET", "/health"),
@@ -69,11 +78,15 @@ STATUS_ROUTES: frozenset[tuple[str, str]] = frozenset(
         ("GET", "/weight_info"),
         ("GET", "/get_world_size"),
         ("POST", "/is_scaling_elastic_ep"),  # a question, though posted
-        ("GET", "/fault_tolerance/status"),
+        ("GET", "/fault_tolerance/status"),  # 0.32
+        ("GET", "/v1/fault_tolerance/status"),  # 0.34
+        ("GET", "/checkpoint/status"),  # 0.34
+        ("GET", "/ready"),  # the data-parallel supervisor's probes
+        ("GET", "/readyz"),
     }
 )
 
-#: vLLM 0.32's inference routes, any method, all under `/v1`, `/v2`, `/inference` or
+#: vLLM's inference routes (0.32 through 0.34), any method, all under `/v1`, `/v2`, `/inference` or
 #: `/cohere`, which vLLM's own `--api-key` guards (`{name}` is one path segment). What
 #: changes weights under those prefixes (`/v1/load_lora_adapter`, ...) is not listed.
 INFERENCE_ROUTES: frozenset[str] = frozenset(
@@ -93,6 +106,7 @@ INFERENCE_ROUTES: frozenset[str] = frozenset(
         "/v1/messages/count_tokens",
         "/v1/messages/render",
         "/v1/systemone",
+        "/v1/decisions",  # 0.34
         "/v1/embeddings",
         "/v1/score",
         "/v1/rerank",
@@ -105,6 +119,62 @@ INFERENCE_ROUTES: frozenset[str] = frozenset(
         "/inference/v1/abort_requests",
         "/cohere/v2/chat",
         "/cohere/v2/chat/render",
+    }
+)
+
+#: vLLM's routes (0.32 through 0.34) that need the token, as (method, path): they change
+#: weights, pause or steer the engine, call worker methods, reveal the configuration, or
+#: serve inference outside the prefixes `--api-key` guards. The middleware guards every route
+#: not open, listed here or not; the list says which routes were looked at, so that a route
+#: a new vLLM adds is noticed (`route_class` answers None for it).
+GUARDED_ROUTES: frozenset[tuple[str, str]] = frozenset(
+    {
+        # weights and the update session
+        ("POST", "/init_weight_transfer_engine"),
+        ("POST", "/shutdown_weight_transfer_engine"),
+        ("POST", "/start_weight_update"),
+        ("POST", "/start_draft_weight_update"),  # 0.34
+        ("POST", "/update_weights"),
+        ("POST", "/finish_weight_update"),
+        ("POST", "/update_weight_version"),
+        ("POST", "/weight_checker"),
+        ("POST", "/v1/load_lora_adapter"),
+        ("POST", "/v1/unload_lora_adapter"),
+        ("POST", "/collective_rpc"),
+        # the engine's state
+        ("POST", "/pause"),
+        ("POST", "/resume"),
+        ("POST", "/sleep"),
+        ("POST", "/wake_up"),
+        ("POST", "/release_kv_cache_memory"),
+        ("POST", "/reset_prefix_cache"),
+        ("POST", "/reset_mm_cache"),
+        ("POST", "/reset_encoder_cache"),
+        ("POST", "/abort_requests"),
+        ("POST", "/scale_elastic_ep"),
+        ("POST", "/fault_tolerance/apply"),  # 0.32
+        ("POST", "/v1/fault_tolerance/apply"),  # 0.34
+        ("POST", "/checkpoint/prepare"),  # 0.34: drains the engine and releases its memory
+        ("POST", "/checkpoint/restore"),  # 0.34
+        ("POST", "/start_profile"),
+        ("POST", "/stop_profile"),
+        # the configuration
+        ("GET", "/server_info"),
+        ("GET", "/kv_event_sources"),
+        ("GET", "/openapi.json"),
+        ("GET", "/docs"),
+        ("GET", "/docs/oauth2-redirect"),
+        ("GET", "/redoc"),
+        # inference outside the prefixes --api-key guards
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
+        ("GET", "/tokenizer_info"),
+        ("POST", "/invocations"),
+        ("POST", "/pooling"),
+        ("POST", "/classify"),
+        ("POST", "/score"),
+        ("POST", "/rerank"),
+        ("POST", "/generative_scoring"),
     }
 )
 
@@ -202,6 +272,26 @@ class WeightRouteAuthMiddleware:
         return None
 
 
+def route_class(method: str, path: str) -> str | None:
+    """How the middleware treats a route vLLM declares: `"status"` and `"inference"` are
+    open without the token, `"guarded"` needs it; None for a route none of the lists names
+    (guarded too, since the middleware fails closed: it is a route added since these lists
+    were checked, to be classified).
+
+    Args:
+        method: The HTTP method (`HEAD` is `GET`), or `WEBSOCKET`.
+        path: The route's path template as vLLM declares it (`/v1/responses/{response_id}`).
+    """
+    method = "GET" if method.upper() == "HEAD" else method.upper()
+    if (method, path) in STATUS_ROUTES:
+        return "status"
+    if _INFERENCE.fullmatch(path) is not None:
+        return "inference"
+    if (method, path) in GUARDED_ROUTES:
+        return "guarded"
+    return None
+
+
 def _templates_pattern(templates: Iterable[str]) -> re.Pattern[str]:
     """One pattern matching any of `templates`, where `{name}` is one path segment (as
     Starlette's default path parameter is)."""
@@ -247,6 +337,9 @@ def _presented_tokens(scope: Scope) -> list[bytes]:
         elif name == TOKEN_HEADER.lower().encode() and value:
             found.append(value)
     return found
+
+
+_INFERENCE = _templates_pattern(INFERENCE_ROUTES)
 
 
 async def _refuse(scope: Scope, send: Send, status: int, message: str) -> None:

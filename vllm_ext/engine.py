@@ -33,7 +33,8 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import InitVar, dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,7 @@ from delta_sync.replica.receiver import Receiver
 from delta_sync.replica.shared import NodeStore
 from delta_sync.storage.cache import default_cache_dir
 
+from .compat import check_vllm_version
 from .loader import ModelLoader, packed_modules
 from .logs import route_delta_sync_logs
 
@@ -118,6 +120,10 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
     supports_draft_weight_update = False
 
     def __init__(self, config, vllm_config, device, model) -> None:
+        import vllm
+
+        # Before anything is loaded: an untested vLLM could load weights wrongly, silently.
+        check_vllm_version(vllm.__version__)
         super().__init__(config, vllm_config, device, model)
         route_delta_sync_logs()
         self._fused = fused_shards(model)
@@ -132,6 +138,8 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
         logger.info("delta-sync: compiled passes ready in %.2f s", load_compiled_passes())
         self.prefetcher = make_prefetcher(self.receiver, allowed or [])
         self.loader = ModelLoader(model, self.model_config, shapes=self.receiver.expected_shapes)
+        shapes = self.receiver.expected_shapes
+        self._experts = expert_groups(shapes) if shapes is not None else None
         from .worker import end_sessions_whose_finish_fails  # the worker module imports this one
 
         end_sessions_whose_finish_fails()
@@ -245,11 +253,13 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
 
     def _with_fused_shards(self, names: set[str]) -> set[str]:
         """Add the sibling shards of fused modules reloaded whole: vLLM rebuilds such a
-        layer (qkv, gate_up) from all its shards, and fills absent ones with uninitialised
-        memory. A shard written where it lives needs none."""
+        layer (qkv, gate_up; a MoE layer from every expert's tensors) from all its shards,
+        and fills absent ones with uninitialised memory. A shard written where it lives
+        needs none."""
         complete = set(names)
         held = self.receiver.expected_shapes or self.receiver.weights
         writable = self.loader.writable()
+        experts = None  # MoE layer -> its experts' tensors, found once per call
         for name in names - writable.keys():
             parts = name.split(".")
             for i, part in enumerate(parts):
@@ -257,6 +267,10 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
                     candidate = ".".join([*parts[:i], sibling, *parts[i + 1 :]])
                     if candidate in held:
                         complete.add(candidate)
+            if (group := expert_group(name)) is not None:
+                if experts is None:  # without checkpoint shapes: the experts held now
+                    experts = self._experts if self._experts is not None else expert_groups(held)
+                complete.update(experts.get(group, ()))
         return complete
 
 
@@ -349,6 +363,26 @@ def allowed_buckets_from_env() -> list[str] | None:
     if not buckets:
         logger.warning("delta-sync: %s is not set; every weight update will be refused", ALLOWED_BUCKETS_ENV)
     return buckets
+
+
+#: A checkpoint tensor of one expert: `<layer>.experts.<index>.<rest>` (Qwen3-MoE's
+#: `mlp.experts.3.up_proj.weight`, Mixtral's `block_sparse_moe.experts.3.w1.weight`).
+_EXPERT = re.compile(r"(.+\.experts)\.\d+\.")
+
+
+def expert_group(name: str) -> str | None:
+    """The MoE layer a checkpoint tensor of one expert belongs to (`...mlp.experts`), or None."""
+    match = _EXPERT.match(name)
+    return match.group(1) if match else None
+
+
+def expert_groups(names: Iterable[str]) -> dict[str, tuple[str, ...]]:
+    """MoE layer -> the checkpoint tensors of all its experts, among `names`."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        if (group := expert_group(name)) is not None:
+            groups.setdefault(group, []).append(name)
+    return {group: tuple(members) for group, members in groups.items()}
 
 
 def fused_shards(model) -> dict[str, tuple[str, ...]]:

@@ -7,6 +7,7 @@ Where a checkpoint weight lives in the served model decides how it is written:
 | plain, and holds the checkpoint tensor as a contiguous range (same shape; or a fused qkv / gate_up shard on one worker) | the changed elements, straight into the tensor (`index_copy_`): O(changed) |
 | plain, otherwise (a tensor-parallel slice, a padded vocabulary) | the changed elements, through vLLM's checkpoint patch loader (`load_checkpoint_weight_patches`: checkpoint coordinates, the model's own `load_weights`, so slices and padding are vLLM's) |
 | none: `weight` is empty (the CPU backend prepacked the layer), or quantized | the whole layer, through vLLM's layerwise reload, with its fused siblings |
+| a fused MoE layer's experts (`w13_weight`, `w2_weight`: every expert stacked, in the kernel's layout) | the whole layer, through vLLM's layerwise reload, with every expert's tensors from the snapshot (the engine completes the group) and the kernel's own processing run again (the CPU backend's prepack) |
 
 A direct write skips the model's `load_weights`, so it is used only for weights that
 load as themselves: a weight becomes directly written after a write through vLLM's own
@@ -29,15 +30,29 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from vllm.logger import init_logger
 
+from delta_sync.errors import ApplyError
 from delta_sync.replica.receiver import WeightPatch
 from delta_sync.replica.staging import stage_patches
+
+from .compat import (
+    free_device_bytes,
+    layer_bytes,
+    patch_chunk_bytes,
+    reload_headroom,
+    staging_groups,
+    synchronize_devices,
+    tied_aliases,
+    unconsumed,
+    write_positions,
+)
 
 __all__ = ["ModelLoader", "packed_modules"]
 
@@ -89,21 +104,39 @@ class ModelLoader:
         self._transformed: set[str] = set()
         self._patch_device: torch.device | None = None
         self._repacked: dict[str, list[torch.nn.Module]] = {}
+        self._runtime_of: dict[str, str] = {}
+        self._aliases: dict[str, str] = {}
+        #: Whether the last load ran to its end: after a failed load, the receiver's reload
+        #: of the version served puts it back to True, and only then is the model whole.
+        self.intact = True
 
     def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """Reload `weights` whole (fused shards already completed by `load_together`)."""
+        """Reload `weights` whole (fused shards and expert groups already completed by
+        `load_together`)."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+        self.intact = False
+        self.writable()
+        weights = self._canonical(weights)
+        self._check_reload_headroom(weights)
+        # Both signatures: vLLM 0.34 added keyword-only options to these, with defaults that
+        # keep 0.32's behaviour; its finalize also runs every module's post-load hook.
         initialize_layerwise_reload(self.model)
         try:
-            self.model.load_weights(iter(weights))
+            with _experts_processed_as_at_load(self.model):
+                loaded = self.model.load_weights(iter(weights))
         finally:
             # Always leave the model runnable: a half-finished reload crashes the next request.
             finalize_layerwise_reload(self.model, self.model_config)
+        self._check_consumed([name for name, _ in weights], loaded)
+        self.intact = True
 
     def load_patches(self, patches: list[WeightPatch]) -> None:
         """Write what changed where it lives; reload whole only what has no plain tensor."""
+        self.intact = False
         writable = self.writable()
+        renamed = self._canonical_names([patch.name for patch in patches])
+        patches = [WeightPatch(renamed[p.name], p.tensor, p.positions) for p in patches if p.name in renamed]
         direct: list[WeightPatch] = []
         sparse: dict[str, tuple[WeightPatch, torch.Tensor]] = {}
         rewritten: list[WeightPatch] = []
@@ -121,17 +154,28 @@ class ModelLoader:
             self([(patch.name, patch.tensor) for patch in reloaded])
         if rewritten:
             # Into plain tensors: nothing about these layers is processed after loading.
-            self.model.load_weights(iter([(patch.name, patch.tensor) for patch in rewritten]))
-        staged = self._stage({**{p.name: (p, _at(p)) for p in direct if p.positions is not None}, **sparse})
-        if sparse:
-            self._write_through_vllm({name: staged[name] for name in sparse}, sparse)
-        if direct:
-            self._write_direct([(patch, staged.get(patch.name)) for patch in direct])
+            loaded = self.model.load_weights(iter([(patch.name, patch.tensor) for patch in rewritten]))
+            self._check_consumed([patch.name for patch in rewritten], loaded)
+        changes = {**{p.name: (p, _at(p)) for p in direct if p.positions is not None}, **sparse}
+        groups = self._staging_groups(changes)
+        for i, group in enumerate(groups):
+            staged = self._stage({name: changes[name] for name in group})
+            in_sparse = {name: sparse[name] for name in group if name in sparse}
+            if in_sparse:
+                self._write_through_vllm({name: staged[name] for name in in_sparse}, in_sparse)
+            # Whole tensors (positions unknown) are written with the last group.
+            last = i == len(groups) - 1
+            writes = [(p, staged.get(p.name)) for p in direct if p.name in staged or (last and p.positions is None)]
+            if writes:
+                self._write_direct(writes)
         self._learn_direct(rewritten, sparse)
         self._repack({writable[name] for name in [*(p.name for p in direct), *sparse, *(p.name for p in rewritten)]})
-        if self._patch_device is not None and (direct or sparse or rewritten):
-            # One synchronisation, so that a failed write fails this call, which rolls back.
-            torch.cuda.current_stream(self._patch_device).synchronize()
+        if direct or sparse or rewritten:
+            # One synchronisation per device written, so that a failed write fails this call,
+            # which rolls back (with --cpu-offload-gb a model's tensors are on several).
+            runtime = dict(self.model.named_parameters())
+            names = [*(p.name for p in direct), *sparse, *(p.name for p in rewritten)]
+            synchronize_devices({runtime[writable[name]].device for name in names})
         logger.info(
             "delta-sync: wrote %d tensor(s) in place (%d changed elements), %d rewritten whole, reloaded %d whole",
             len(sparse) + sum(patch.positions is not None for patch in direct),
@@ -140,6 +184,7 @@ class ModelLoader:
             len(rewritten) + sum(patch.positions is None for patch in direct),
             len(reloaded),
         )
+        self.intact = True
 
     # -- the three ways in ---------------------------------------------------------------------
 
@@ -154,6 +199,29 @@ class ModelLoader:
         staged = stage_patches({name: (patch.positions, values) for name, (patch, values) in changes.items()}, device)
         return {name: (patch.positions, patch.values) for name, patch in staged.items()}
 
+    def _staging_groups(self, changes: dict[str, tuple[WeightPatch, torch.Tensor]]) -> list[list[str]]:
+        """The patches of one load in groups, each staged on the device and written before
+        the next is staged: one group where nothing says how much is free (the CPU), else
+        groups bounded by the memory free on the device (vLLM 0.34 lends the KV cache's
+        memory to the update, and a large delta's positions and values alone may exceed
+        what is left beside it)."""
+        device = self.patch_device()
+        free = free_device_bytes(device)
+        sizes = {
+            name: patch.positions.numel() * (patch.positions.element_size() + values.element_size())
+            for name, (patch, values) in changes.items()
+        }
+        groups = staging_groups(sizes, free)
+        if free is not None:
+            logger.info(
+                "delta-sync: %.2f GiB free on %s: %d MiB of positions and values staged in %d group(s)",
+                free / 2**30,
+                device,
+                sum(sizes.values()) >> 20,
+                len(groups),
+            )
+        return groups
+
     def _write_through_vllm(
         self, staged: dict[str, tuple[torch.Tensor, torch.Tensor]], sparse: dict[str, tuple[WeightPatch, torch.Tensor]]
     ) -> None:
@@ -162,7 +230,17 @@ class ModelLoader:
             load_checkpoint_weight_patches,
         )
 
-        load_checkpoint_weight_patches(
+        device = self.patch_device()
+        free = free_device_bytes(device)
+        chunk = patch_chunk_bytes(free)
+        if free is not None:
+            logger.info(
+                "delta-sync: %.2f GiB free on %s: vLLM's patch loader stages up to %d MiB per call",
+                free / 2**30,
+                device,
+                chunk >> 20,
+            )
+        loaded = load_checkpoint_weight_patches(
             self.model,
             [
                 CheckpointWeightPatch(
@@ -174,8 +252,10 @@ class ModelLoader:
                 )
                 for name, (patch, _) in sparse.items()
             ],
+            max_chunk_bytes=chunk,
             validate_unique_indices=False,  # positions are unique and sorted by construction
         )
+        self._check_consumed(list(sparse), loaded)
 
     def _write_direct(self, writes: list[tuple[WeightPatch, tuple[torch.Tensor, torch.Tensor] | None]]) -> None:
         """Write each patch into its runtime range: the changed elements (`staged`: positions
@@ -187,8 +267,7 @@ class ModelLoader:
             if staged is None:
                 flat[where.offset : where.offset + where.numel].copy_(patch.tensor.reshape(-1))
             else:
-                positions, values = staged
-                flat.index_copy_(0, positions.long() + where.offset, values.to(flat.dtype))
+                write_positions(flat, *staged, where.offset)
 
     def _learn_direct(self, rewritten: list[WeightPatch], sparse: dict[str, tuple[WeightPatch, torch.Tensor]]) -> None:
         """Weights vLLM's loader has just written that may be written directly from now on:
@@ -223,6 +302,52 @@ class ModelLoader:
 
             for module in modules:
                 dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
+    def _canonical(self, weights: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """`weights` under the names vLLM's loaders load (see [`_canonical_names`])."""
+        renamed = self._canonical_names([name for name, _ in weights])
+        return [(renamed[name], tensor) for name, tensor in weights if name in renamed]
+
+    def _canonical_names(self, names: list[str]) -> dict[str, str]:
+        """Name sent -> name to load: a tied alias (`lm_head.weight`) as the tensor it is tied
+        to, which vLLM's loaders load (they skip the alias). An alias sent together with its
+        canonical name is the same tensor, so it has no entry."""
+        sent = set(names)
+        return {
+            name: self._aliases.get(name, name)
+            for name in names
+            if name not in self._aliases or self._aliases[name] not in sent
+        }
+
+    def _check_consumed(self, sent: list[str], loaded: Any) -> None:
+        """Fail the load (the receiver then rolls back) when vLLM's loader reports that it
+        did not load a tensor sent to it: vLLM 0.34 skips some names silently, where 0.32
+        raised, and a change would otherwise be lost without a word."""
+        missed = unconsumed(sent, loaded, self._runtime_of)
+        if missed:
+            raise ApplyError(
+                f"vLLM's loader did not load {len(missed)} changed tensor(s) sent to it: "
+                f"{', '.join(missed[:4])}{', ...' if len(missed) > 4 else ''} "
+                f"(into {', '.join(sorted({self._runtime_of[name] for name in missed})[:4])})"
+            )
+
+    def _check_reload_headroom(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Say, before a whole-layer reload, how much device memory is free for it and when
+        it may not fit (vLLM 0.34 lends the KV cache's memory to the update; vLLM
+        materialises each layer on the device)."""
+        free = free_device_bytes(self._patch_device)
+        if free is None:
+            return
+        largest = layer_bytes(weights)
+        logger.info(
+            "delta-sync: reloading %d tensor(s) whole; %.2f GiB free on %s, largest layer %.2f GiB",
+            len(weights),
+            free / 2**30,
+            self._patch_device,
+            largest / 2**30,
+        )
+        if (short := reload_headroom(free, largest)) is not None:
+            logger.warning("delta-sync: %s", short)
 
     def _modules_packed_from(
         self, runtime: dict[str, torch.nn.Parameter], plain: set[str]
@@ -269,9 +394,27 @@ class ModelLoader:
             logger.info("delta-sync: this vLLM has no checkpoint patch loader: every tensor is reloaded whole")
             return {}
         runtime = dict(self.model.named_parameters())
-        plain = {name for name, param in runtime.items() if param.numel() > 0 and param.dtype in _PLAIN_DTYPES}
+        experts = {
+            f"{prefix}.{name}" if prefix else name
+            for prefix, module in self.model.named_modules()
+            if _is_fused_experts(module)
+            for name, _ in module.named_parameters(recurse=False)
+        }
+        plain = {
+            name
+            for name, param in runtime.items()
+            if param.numel() > 0 and param.dtype in _PLAIN_DTYPES and name not in experts
+        }
         writable = {name: name for name in plain}
         packed = packed_modules(self.model)
+        self._aliases = {alias: name for alias, name in tied_aliases(self.model).items() if name in runtime}
+        # Where each checkpoint name lands, plain or not: to check what vLLM's loader reports.
+        self._runtime_of = {name: name for name in runtime if name not in experts}
+        for name in sorted(self._runtime_of):
+            parts = name.split(".")
+            for i, part in enumerate(parts):
+                for shard in packed.get(part, ()):
+                    self._runtime_of[".".join([*parts[:i], shard, *parts[i + 1 :]])] = name
         for name in sorted(plain):
             param = runtime[name]
             if param.is_contiguous() and self.shapes.get(name) == tuple(param.shape):
@@ -320,6 +463,48 @@ class ModelLoader:
             ranges[shard] = _Range(runtime, offset, numel)
             offset += numel
         return ranges
+
+
+def _is_fused_experts(module: torch.nn.Module) -> bool:
+    """Whether `module` is vLLM's fused MoE layer (its method builds a MoE kernel): its
+    tensors stack every expert, in the layout the kernel computes with, so a changed expert
+    reloads the layer, all experts together."""
+    return hasattr(getattr(module, "quant_method", None), "moe_kernel")
+
+
+@contextmanager
+def _experts_processed_as_at_load(model: torch.nn.Module) -> Iterator[None]:
+    """Make a reload process fused MoE layers as their first load did.
+
+    At load, vLLM's unquantized MoE method converts the experts' tensors to the kernel's
+    format and then lets the kernel's experts process them (the CPU backend prepacks them
+    there, into another layout of the same shape). On a reload (`moe_kernel` already built)
+    it converts the new tensors but skips the experts' step, so the CPU kernel would compute
+    with checkpoint-layout values as if prepacked: wrong outputs (vLLM 0.32, read in
+    `UnquantizedFusedMoEMethod._setup_kernel`). Here each MoE method's processing runs that
+    step after its own, on the layer vLLM just loaded, before vLLM copies it into the tensors
+    the kernel holds. Experts that process nothing (the default) are unaffected.
+    """
+    wrapped = []
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if not _is_fused_experts(module) or "process_weights_after_loading" in vars(method):
+            continue
+        process = method.process_weights_after_loading
+
+        def processed(layer: torch.nn.Module, method: Any = method, process: Any = process) -> None:
+            reloading = method.moe_kernel is not None
+            process(layer)
+            if reloading and method.moe_kernel is not None:
+                method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+        method.process_weights_after_loading = processed
+        wrapped.append(method)
+    try:
+        yield
+    finally:
+        for method in wrapped:
+            del method.process_weights_after_loading
 
 
 def _at(patch: WeightPatch) -> torch.Tensor:

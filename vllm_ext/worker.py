@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from delta_sync.control import ReplicaStatus
 
+from .compat import ending_session_on_failure
 from .engine import DeltaWeightTransferEngine
 
 __all__ = ["DeltaWorkerExtension", "end_sessions_whose_finish_fails"]
@@ -116,35 +116,18 @@ def end_sessions_whose_finish_fails() -> None:
     weight-update session when `finish_weight_update` raises, as they do when
     `update_weights` raises.
 
-    vLLM 0.32's `Worker.finish_weight_update` leaves the session open when the engine's
-    finish raises, so after one failed load (which the receiver has rolled back: the model
-    serves what it served) every later `/start_weight_update` would be refused with "a
-    weight update is already active" until someone posted `/finish_weight_update` again.
+    When the engine's finish raises, the receiver has rolled the model back to what it
+    served; but vLLM 0.32's `Worker.finish_weight_update` leaves the session open, so every
+    later `/start_weight_update` would be refused with "a weight update is already active"
+    until someone posted `/finish_weight_update` again, and vLLM 0.34's also keeps the worker
+    marked as holding incomplete weights (see `vllm_ext.compat.end_failed_session`).
     Called by the engine once vLLM has mixed the extension in; wraps each class once.
     """
     for worker_class in _subclasses(DeltaWorkerExtension):
         finish = getattr(worker_class, "finish_weight_update", None)
         if finish is None or getattr(finish, "_ends_session_on_failure", False):
             continue
-        worker_class.finish_weight_update = _ending_session_on_failure(finish)
-
-
-def _ending_session_on_failure(finish: Callable[..., None]) -> Callable[..., None]:
-    @functools.wraps(finish)
-    def finish_weight_update(worker: Any, *args: Any, **kwargs: Any) -> None:
-        try:
-            finish(worker, *args, **kwargs)
-        except BaseException:
-            # What vLLM's own Worker.update_weights does when the engine raises.
-            if getattr(worker, "_weight_update_active", False):
-                worker._weight_update_active = False
-                engine = getattr(worker, "weight_transfer_engine", None)
-                if engine is not None:
-                    engine.reset_weight_update_target()
-            raise
-
-    finish_weight_update._ends_session_on_failure = True
-    return finish_weight_update
+        worker_class.finish_weight_update = ending_session_on_failure(finish)
 
 
 def _subclasses(cls: type) -> Iterator[type]:
