@@ -32,7 +32,9 @@ What this module touches in TRL, and nothing else:
   both open.
 
 It was written against TRL 1.16 ([`SUPPORTED_TRL`]); [`claim`] refuses any other version
-rather than patch a method whose body it has not been checked against.
+rather than patch a method whose body it has not been checked against. That refusal is the
+version check: the `trainer` extra accepts a range of TRL releases (so that installing it
+downgrades nobody), and only a trainer that generates through a vLLM server needs the patch.
 """
 
 from __future__ import annotations
