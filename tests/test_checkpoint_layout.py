@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from delta_sync import BF16ChangeDetector, Publisher, Receiver, expected_shapes_of, module_weight_loader, verify_bucket
-from delta_sync.errors import UnservableModelError
+from delta_sync.errors import ApplyError, UnservableModelError
 from delta_sync.format import SparseChange
 from delta_sync.trainer.checkpoint import CheckpointLayout
 
@@ -59,6 +59,29 @@ def _mixtral():
         hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_local_experts=4, **_ATTENTION
     )
     return transformers.MixtralForCausalLM(config)
+
+
+def _olmoe():
+    """OLMoE: Qwen2-MoE's conversion rule, no shared expert."""
+    config = transformers.OlmoeConfig(
+        hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, **_ATTENTION
+    )
+    return transformers.OlmoeForCausalLM(config)
+
+
+def _gpt_oss():
+    """gpt-oss keeps its experts fused, gate and up interleaved, at run time and on disk alike:
+    no conversion, its checkpoint is its parameters."""
+    config = transformers.GptOssConfig(
+        hidden_size=32,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["full_attention", "sliding_attention"],
+        **_ATTENTION,
+    )
+    return transformers.GptOssForCausalLM(config)
 
 
 def _gemma3_text():
@@ -125,13 +148,15 @@ FAMILIES = {
     "qwen3_moe": _qwen3_moe,
     "qwen2_moe": _qwen2_moe,
     "mixtral": _mixtral,
+    "olmoe": _olmoe,
+    "gpt_oss": _gpt_oss,
     "gemma3_text": _gemma3_text,
     "transposed_moe": _transposed_moe,
     "stored_transposed_moe": _stored_transposed_moe,
     "qwen2_5_vl": _qwen2_5_vl,
     "gemma3_vlm": _gemma3_vlm,
 }
-FUSED = {"qwen3_moe", "qwen2_moe", "mixtral", "transposed_moe", "stored_transposed_moe"}
+FUSED = {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "transposed_moe", "stored_transposed_moe"}
 #: Checkpoints that only name some tensors otherwise.
 RENAMED = {"qwen2_5_vl", "gemma3_vlm"}
 
@@ -220,6 +245,8 @@ def _train(model, optimizer, steps: int, seed: int) -> None:
         "qwen3_moe",
         "qwen2_moe",
         "mixtral",
+        "olmoe",
+        "gpt_oss",
         "transposed_moe",
         "stored_transposed_moe",
         "qwen3",
@@ -457,3 +484,31 @@ def test_a_lora_model_with_fused_experts_publishes_the_merged_checkpoint(tmp_pat
     receiver = Receiver(load_weights=lambda weights: None, expected_shapes={n: t.shape for n, t in expected.items()})
     receiver.update(bucket)
     assert_same_checkpoint(expected, dict(receiver.weights))
+
+
+def test_a_checkpoint_buffer_the_bucket_lacks_is_refused_by_the_replica_not_served_wrong(tmp_path):
+    """DeepSeek-V3's (and GLM-4.5's) checkpoint holds each MoE router's score correction bias,
+    which transformers keeps as a buffer, not a parameter: the bucket does not publish it yet
+    (docs/models.md). A replica that expects the checkpoint's tensors, as a vLLM worker does,
+    must refuse the anchor, naming the tensor, rather than serve a model without it."""
+    config = transformers.DeepseekV3Config(
+        hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2, first_k_dense_replace=1,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, q_lora_rank=16,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, num_attention_heads=2,
+        num_key_value_heads=2, vocab_size=96,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(config).to(torch.bfloat16)
+    expected = saved(model, tmp_path / "saved")
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in expected
+    detector = BF16ChangeDetector(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    publisher = Publisher(tmp_path / "bucket", detector, background=False)
+    publisher.publish(1)
+    publisher.close()
+    detector.close()
+    receiver = Receiver(load_weights=lambda weights: None, expected_shapes={n: t.shape for n, t in expected.items()})
+    with pytest.raises(
+        ApplyError, match=r"lacks parameter\(s\) \['model\.layers\.1\.mlp\.gate\.e_score_correction_bias'\]"
+    ):
+        receiver.update(tmp_path / "bucket")
+    assert receiver.version is None
