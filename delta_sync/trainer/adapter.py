@@ -35,9 +35,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -55,29 +53,12 @@ from ..layout import (
 from ..signing import SigningKey, file_sha256
 from ..storage import open_bucket
 from ..version import VersionId
-from .writer import PointerWriter, PublishReport, claim_prefix, signing_key_of, stop_worker
-
-if TYPE_CHECKING:
-    from .publisher import PublisherOptions
+from .options import PeftPublish, PublisherOptions, signing_key_of
+from .writer import PointerWriter, PublishReport, claim_prefix, stop_worker
 
 __all__ = ["AdapterPublisher", "PeftPublish", "adapter_state", "peft_model_of"]
 
 logger = logging.getLogger("delta_sync")
-
-
-class PeftPublish(str, Enum):
-    """What a PEFT LoRA model is published as (`DeltaSyncConfig.peft_publish`).
-
-    A `str`, so that it compares equal to (and is accepted as) its value.
-    """
-
-    #: The base checkpoint with the adapter merged in, as anchors and deltas (`delta_sync.trainer.merged`).
-    MERGED = "merged"
-    #: The adapter itself, whole, per version, for `vllm serve --enable-lora`.
-    ADAPTER = "adapter"
-
-    __str__ = str.__str__
-    __format__ = str.__format__
 
 
 _ADAPTER_OPTIONS = (

@@ -14,11 +14,12 @@ from ..changes import Encoding
 from ..control.client import PauseMode, ReplicaOptions
 from ..errors import UnsupportedLayoutError
 from . import trl_vllm
-from .adapter import AdapterPublisher, PeftPublish
+from .adapter import AdapterPublisher
 from .checkpoint import CheckpointLayout, check_checkpoint_names
 from .detector import BF16ChangeDetector, checkpoint_parameters
 from .merged import merged_weights
-from .publisher import Publisher, PublisherOptions, PublishReport
+from .options import PeftPublish, PublisherOptions
+from .publisher import Publisher, PublishReport
 from .replicas import ReplicaSet
 from .sharding import ModelLayout, describe_model, verify_across_ranks
 

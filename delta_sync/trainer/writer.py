@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import queue
 import shutil
 import tempfile
@@ -60,7 +59,6 @@ __all__ = [
     "VersionJob",
     "VersionWriter",
     "claim_prefix",
-    "signing_key_of",
     "stop_worker",
 ]
 
@@ -680,14 +678,6 @@ class VersionWriter(PointerWriter):
         else:
             self._point(retreat)
         self.bucket.delete(stale)
-
-
-def signing_key_of(option: SigningKey | str | os.PathLike | None) -> SigningKey | None:
-    """The key a publisher signs with: `option` (a key, or the path or PEM text of one), or
-    by default the key `DELTA_SYNC_SIGNING_KEY` names (None: unsigned)."""
-    if option is None:
-        return SigningKey.from_env()
-    return option if isinstance(option, SigningKey) else SigningKey.load(option)
 
 
 def stop_worker(jobs: queue.Queue | None, worker: threading.Thread | None) -> None:
