@@ -54,7 +54,8 @@ from ..signing import SigningKey, file_sha256
 from ..storage import open_bucket
 from ..version import VersionId
 from .options import PeftPublish, PublisherOptions, signing_key_of
-from .writer import PointerWriter, PublishReport, claim_prefix, stop_worker
+from .prefix import PointerWriter, claim_prefix
+from .writer import PublishReport, stop_worker
 
 __all__ = ["AdapterPublisher", "PeftPublish", "adapter_state", "peft_model_of"]
 
@@ -222,7 +223,7 @@ class _AdapterWriter(PointerWriter):
         logger.warning(
             "delta-sync: resuming at v%d, deleting %d later adapter file(s) of this run", version, len(stale)
         )
-        self.bucket.delete([LATEST])
+        self.withdraw_pointer()
         self.bucket.delete(stale)
 
 

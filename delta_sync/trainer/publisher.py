@@ -36,9 +36,10 @@ from ..version import VersionId
 from .detector import BF16ChangeDetector
 from .lease import SnapshotLease
 from .options import PublisherOptions, signing_key_of
+from .prefix import claim_prefix
 from .ranks import RankGroup, ThreadRole
 from .schedule import AnchorSchedule
-from .writer import PublishReport, VersionJob, VersionWriter, claim_prefix, stop_worker
+from .writer import PublishReport, VersionJob, VersionWriter, stop_worker
 
 __all__ = ["PublishReport", "Publisher", "PublisherOptions"]
 
