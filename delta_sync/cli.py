@@ -52,7 +52,7 @@ def _inspect(args: argparse.Namespace) -> int:
         receiver = Receiver(cache=DownloadCache(tmp))
         opened = open_bucket(bucket)
         try:
-            file = receiver.open_version(opened, path)
+            file = receiver.reader.open_version(opened, path)
         except BucketFileNotFoundError as exc:
             raise BucketFileNotFoundError(f"{exc}; {_holdings(opened, path)}") from None
         with file:
@@ -258,7 +258,7 @@ def _version_rows(receiver: Receiver, bucket) -> list[dict]:
                     header = file.header
                 rows.append(_version_row(kind, version, local.stat().st_size, header))
                 continue
-            with receiver.open_version(bucket, path) as file:
+            with receiver.reader.open_version(bucket, path) as file:
                 header = file.header
             stored = receiver.cache.fetch(bucket, path)
             size = stored.stat().st_size
@@ -280,7 +280,7 @@ def _version_row(kind: str, version: int, size: int, header) -> dict:
 
 
 def _follow(args: argparse.Namespace) -> int:
-    logging.getLogger("delta_sync").setLevel(logging.INFO)  # a line per version, even without -v
+    logging.getLogger(__name__).setLevel(logging.INFO)  # a line per version, even without -v
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         # Stop between polls, or after the update in flight: never leave a session open.
@@ -289,7 +289,7 @@ def _follow(args: argparse.Namespace) -> int:
     with Follower(
         args.bucket, args.vllm_url, interval=args.interval, max_backoff=max_backoff, adapter_name=args.adapter_name
     ) as follower:
-        logging.getLogger("delta_sync").info(
+        logging.getLogger(__name__).info(
             "delta-sync: following %s for %s", follower.bucket.url, follower.replica.url
         )
         follower.run(stop)

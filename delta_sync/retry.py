@@ -22,7 +22,7 @@ from .errors import BucketUnavailableError, DeltaSyncError
 
 __all__ = ["RetryPolicy"]
 
-logger = logging.getLogger("delta_sync")
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 

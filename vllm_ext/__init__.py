@@ -13,6 +13,21 @@ Importing this package registers [`DeltaWeightTransferEngine`] with vLLM's
 creates the engine), under two backend names: `delta_sync` ([`BACKEND_ALIAS`]), which is
 always ours, and `delta` ([`BACKEND`]) unless another extension registered that name
 first; then select `{"backend": "delta_sync"}`.
+
+| module | what it holds |
+| --- | --- |
+| `engine` | [`DeltaWeightTransferEngine`]: the weight-transfer engine, a `Receiver` inside each worker |
+| `loader` | `ModelLoader`: writes a version into the served model, in place where it can |
+| `worker` | [`DeltaWorkerExtension`]: the worker's `delta_sync_*` RPC methods |
+| `compat` | what differs between the supported vLLM releases, decided in one place |
+| `auth` | the bearer token on every route but status, health and inference |
+| `logs` | where delta-sync's log records go inside a vLLM process |
+
+One import circle is deliberate: `worker` imports `engine` (its RPCs reach the engine),
+and the engine, once vLLM has created it inside a worker, imports `worker` to wrap the
+worker classes vLLM mixed the extension into (`worker.end_sessions_whose_finish_fails`).
+vLLM appends the extension to a worker class's bases at run time, so only then do those
+classes exist, and only the engine runs then.
 """
 
 from __future__ import annotations

@@ -140,7 +140,7 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
         self.loader = ModelLoader(model, self.model_config, shapes=self.receiver.expected_shapes)
         shapes = self.receiver.expected_shapes
         self._experts = expert_groups(shapes) if shapes is not None else None
-        from .worker import end_sessions_whose_finish_fails  # the worker module imports this one
+        from .worker import end_sessions_whose_finish_fails  # a circle, why: vllm_ext's docstring
 
         end_sessions_whose_finish_fails()
 
@@ -179,16 +179,17 @@ class DeltaWeightTransferEngine(WeightTransferEngine[DeltaInitInfo, DeltaUpdateI
         """Prepare `bucket`'s newest version (and the watched buckets') now, off the engine
         loop; returns at once. Without a prefetcher (`DELTA_SYNC_PREFETCH=off`, or a private
         snapshot) the next update prepares inline."""
-        if bucket is not None:
-            bucket = self.receiver.check_bucket(bucket).url
+        opened = None if bucket is None else self.receiver.check_bucket(bucket)
         if self.prefetcher is not None:
-            self.prefetcher.hint(bucket)
+            self.prefetcher.hint(opened)
 
     def receive_weights(self, update_info: DeltaUpdateInfo) -> None:
-        if self.prefetcher is not None:
-            self.prefetcher.watch(self.receiver.check_bucket(update_info.bucket))
         try:
-            pending = self.receiver.prepare(update_info.bucket, update_info.filename, kind=update_info.kind)
+            # Opened once per request: an S3 or Hub bucket opens a client of its own.
+            bucket = self.receiver.check_bucket(update_info.bucket)
+            if self.prefetcher is not None:
+                self.prefetcher.watch(bucket)
+            pending = self.receiver.prepare(bucket, update_info.filename, kind=update_info.kind)
         except DeltaSyncError as exc:
             raise RuntimeError(f"delta-sync refused the update: {type(exc).__name__}: {exc}") from exc
         step = pending.last

@@ -39,7 +39,7 @@ import torch
 from vllm.logger import init_logger
 
 from delta_sync.errors import ApplyError
-from delta_sync.replica.receiver import WeightPatch
+from delta_sync.replica.loaders import WeightPatch
 from delta_sync.replica.staging import stage_patches
 
 from .compat import (

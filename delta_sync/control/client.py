@@ -37,7 +37,7 @@ from . import (
 
 __all__ = ["PauseMode", "Replica", "ReplicaOptions"]
 
-logger = logging.getLogger("delta_sync")
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 

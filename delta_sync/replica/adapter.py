@@ -32,14 +32,14 @@ import tempfile
 from pathlib import Path
 
 from ..control import AdapterStatus
-from ..errors import ApplyError, FormatError, OversizedFileError, SignatureError
+from ..errors import ApplyError, FormatError, SignatureError
 from ..layout import ADAPTER_CONFIG, ADAPTER_FILES, ADAPTER_WEIGHTS, LATEST, Latest, adapter_dir, parse_adapter_path
-from ..signing import FileSignature, bucket_identity, file_sha256
+from ..signing import FileSignature, file_sha256
 from ..storage import Bucket
 
 __all__ = ["AdapterFetcher"]
 
-logger = logging.getLogger("delta_sync")
+logger = logging.getLogger(__name__)
 
 #: The most bytes an unsigned adapter config may have.
 _MAX_CONFIG_BYTES = 1 << 20
@@ -49,9 +49,9 @@ class AdapterFetcher:
     """Fetches adapter versions of the buckets a receiver trusts, as that receiver would.
 
     Args:
-        receiver: The replica's `Receiver`: its allow list (`check_bucket`), `verify_key`,
-            `bucket_id`, record of accepted pointers (`pointers`) and download cache
-            (`cache.root`, under which versions are written) apply.
+        receiver: The replica's `Receiver`: its `reader` (allow list, verify key, bucket
+            name, record of accepted pointers: see `delta_sync.replica.trust.BucketReader`)
+            and download cache (`cache.root`, under which versions are written) apply.
         keep: Versions to keep per bucket (the newest); older directories are removed.
     """
 
@@ -80,9 +80,10 @@ class AdapterFetcher:
                 signed, or not the file signed; the weights are not those `latest.json`
                 records. Nothing is left in the cache then.
         """
-        opened = self.receiver.check_bucket(bucket)
-        identity = bucket_identity(opened.url, self.receiver.bucket_id)
-        latest = self._read_latest(opened, identity)
+        reader = self.receiver.reader
+        opened = reader.open(bucket)
+        identity = reader.identity(opened)
+        latest = reader.read_latest(opened)
         source = f"{opened.url}/{LATEST}"
         if latest.adapter is None:
             raise FormatError(
@@ -129,18 +130,10 @@ class AdapterFetcher:
 
     # -- checks ---------------------------------------------------------------------------
 
-    def _read_latest(self, bucket: Bucket, identity: str) -> Latest:
-        source = f"{bucket.url}/{LATEST}"
-        key = self.receiver.verify_key
-        latest = Latest.from_json(bucket.read_bytes(LATEST), source=source, verify_key=key, bucket=identity)
-        if key is not None:
-            self.receiver.pointers.accept(identity, latest, source=source)
-        return latest
-
     def _signature(self, bucket: Bucket, latest: Latest, path: str) -> FileSignature | None:
         """With a verify key: the file's signature, checked for the key, path, bucket, run and
         epoch (any epoch of the run for a version before `latest.epoch_start`: the run's history)."""
-        signature = self.receiver.read_signature(bucket, path)
+        signature = self.receiver.reader.read_signature(bucket, path)
         if signature is None:
             return None
         version = parse_adapter_path(path)
@@ -153,21 +146,9 @@ class AdapterFetcher:
         return signature
 
     def _download(self, bucket: Bucket, latest: Latest, path: str, local: Path) -> None:
+        unsigned_limit = _MAX_CONFIG_BYTES if path.endswith(ADAPTER_CONFIG) else None
         signature = self._signature(bucket, latest, path)
-        if signature is not None:
-            limit = signature.size
-        else:
-            limit = _MAX_CONFIG_BYTES if path.endswith(ADAPTER_CONFIG) else None
-        try:
-            bucket.download(path, local, max_bytes=limit)
-        except OversizedFileError as exc:
-            if signature is None:
-                raise
-            raise SignatureError(
-                f"{bucket.url}/{path}: larger than the {limit:,} bytes signed: not the one signed"
-            ) from exc
-        if signature is not None:
-            signature.check_digest(file_sha256(local))
+        self.receiver.reader.download(bucket, path, local, signature=signature, unsigned_limit=unsigned_limit)
 
     def _check_local(
         self,

@@ -26,7 +26,7 @@ from ..storage import Bucket, open_bucket
 
 __all__ = ["Follower"]
 
-logger = logging.getLogger("delta_sync")
+logger = logging.getLogger(__name__)
 
 
 class Follower:

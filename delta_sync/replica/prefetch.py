@@ -32,7 +32,7 @@ from .receiver import Receiver
 
 __all__ = ["Prefetcher"]
 
-logger = logging.getLogger("delta_sync")
+logger = logging.getLogger(__name__)
 
 
 class Prefetcher:

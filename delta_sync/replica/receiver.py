@@ -14,28 +14,40 @@ An update has the lifecycle of vLLM's weight-transfer engines (start, update, fi
 [`module_weight_loader`] for a plain `torch.nn.Module`. Where the snapshot lives is its
 store's business (`delta_sync.replica.store`): this process's memory by default, or the
 machine's node snapshot (`delta_sync.replica.shared.NodeStore`).
+
+Four versions meet here, and one word means one thing:
+
+* *held* (`Receiver.held`, `_held`): what this receiver's model holds, or will once the
+  open update commits; *served* (`Receiver.serving`, `PendingUpdate.served`): what the
+  model serves now (the held version's predecessor while an update is open);
+* the *snapshot's* (`SnapshotStore.held`): what the snapshot holds, which a node snapshot
+  shared with other workers may have moved past the held one; `prepared_version` is the
+  newest this process saw there, ready for a commit to load;
+* the *pointer's* (`latest.json`): what the trainer published last.
+
+A version *already held* (`_already_held`) is one the snapshot holds or has passed on the
+same trajectory: nothing to read again. A *stale* pointer (`Freshness.stale`) is one the
+trainer wrote longer ago than `DELTA_SYNC_MAX_STALENESS` allows.
+
+Which bucket is read, and what is trusted of it, is the [`BucketReader`]'s
+(`delta_sync.replica.trust`); the checks of a file's header, `delta_sync.replica.checks`;
+the loader protocols, `delta_sync.replica.loaders`; the update records,
+`delta_sync.replica.update`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Literal, Protocol, runtime_checkable
-from urllib.parse import unquote
+from typing import Literal
 
 import torch
-from torch import nn
 
-from ..control import ALLOWED_BUCKETS_ENV, UpdateInfo
+from ..control import UpdateInfo
 from ..errors import (
     ApplyError,
     BaseVersionError,
@@ -43,30 +55,38 @@ from ..errors import (
     DeltaSyncError,
     FormatError,
     IntegrityError,
-    OversizedFileError,
     SignatureError,
-    UntrustedBucketError,
 )
-from ..format import Anchor, Delta, DeltaFile, FileHeader, read_file
+from ..format import Anchor, Delta, DeltaFile
 from ..integrity import apply_checksums, model_checksum
 from ..layout import (
     LATEST,
     Latest,
     anchor_path,
     delta_path,
-    is_manifest,
     is_part,
     manifest_path,
     parse_step_path,
     version_files,
 )
-from ..manifest import MAX_MANIFEST_BYTES, Manifest, PartRecord, read_version
-from ..signing import SIGNATURE_SUFFIX, VERIFY_KEY_ENV, FileSignature, VerifyKey, bucket_identity, file_sha256
-from ..storage import Bucket, clean_path, open_bucket
+from ..signing import VerifyKey
+from ..storage import Bucket, clean_path
 from ..storage.cache import DownloadCache
 from ..version import HeldVersion
+from .checks import check_against_latest, check_anchor, check_delta_base, check_held, reached
+from .loaders import (
+    LoadWeights,
+    ModuleWeightLoader,
+    PatchingWeightLoader,
+    ShapedWeightLoader,
+    WeightPatch,
+    expected_shapes_of,
+    module_weight_loader,
+)
 from .pointer import PointerLedger
 from .store import DeltaUndo, PrivateSnapshot, SnapshotMemory, SnapshotStore, changed_between
+from .trust import BucketReader
+from .update import MAX_STALENESS_ENV, ApplyResult, Freshness, PendingUpdate, Prepared, max_staleness_from_env
 
 __all__ = [
     "MAX_STALENESS_ENV",
@@ -85,294 +105,7 @@ __all__ = [
     "module_weight_loader",
 ]
 
-logger = logging.getLogger("delta_sync")
-
-LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], object]
-
-#: Seconds after which a replica whose `latest.json` is no newer calls itself stale.
-MAX_STALENESS_ENV = "DELTA_SYNC_MAX_STALENESS"
-# What a file may hold besides its tensors' bytes (safetensors header, metadata), when
-# its size is bounded from the model's shapes rather than a signature.
-_HEADER_ALLOWANCE = 1 << 20
-_HEADER_PER_TENSOR = 4 << 10
-# A delta of every element, with int64 positions: more than any encoding of it takes.
-_DELTA_BYTES_PER_ELEMENT = 8 + 2
-_MAX_SIGNATURE_BYTES = 4096
-
-
-@runtime_checkable
-class ShapedWeightLoader(Protocol):
-    """A `load_weights` callable that also knows the shapes of the parameters it loads;
-    a [`Receiver`] given no `expected_shapes` checks anchors against them."""
-
-    expected_shapes: Mapping[str, tuple[int, ...]]
-
-    def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> object: ...
-
-
-@dataclass(frozen=True)
-class WeightPatch:
-    """One parameter for the model to load.
-
-    Args:
-        name: The checkpoint name.
-        tensor: Its full bf16 tensor at the version loaded.
-        positions: The flat positions (int64, ascending) whose values differ from the
-            version the model holds, or None when they are not known (load it whole).
-    """
-
-    name: str
-    tensor: torch.Tensor
-    positions: torch.Tensor | None
-
-
-@runtime_checkable
-class PatchingWeightLoader(Protocol):
-    """A `load_weights` callable that can also write only the changed elements of a
-    parameter ([`WeightPatch`]); a [`Receiver`] then hands it the positions that changed."""
-
-    def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> object: ...
-
-    def load_patches(self, patches: list[WeightPatch]) -> object: ...
-
-
-class ModuleWeightLoader:
-    """Copies tensors into a module's parameters by name: whole, or only the elements that
-    changed (a [`ShapedWeightLoader`] and a [`PatchingWeightLoader`]).
-
-    Names are the checkpoint's: for a transformers model that keeps another layout at run
-    time (fused MoE experts, renamed prefixes), each checkpoint tensor is copied into its
-    part of the run-time parameter, as transformers' own conversion mapping places it (see
-    `delta_sync.trainer.checkpoint.CheckpointLayout`).
-
-    Args:
-        module: The module to load into.
-    """
-
-    def __init__(self, module: nn.Module) -> None:
-        self._params = dict(module.named_parameters())
-        self._layout = _checkpoint_layout(module)
-        self.expected_shapes = (
-            {name: tuple(p.shape) for name, p in self._params.items()}
-            if self._layout is None
-            else dict(self._layout.shapes)
-        )
-
-    def __call__(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        self.load_patches([WeightPatch(name, tensor, None) for name, tensor in weights])
-
-    def _target(self, name: str) -> torch.Tensor | None:
-        """The tensor a checkpoint tensor is copied into: its parameter, or its part of one."""
-        if self._layout is None:
-            return self._params.get(name)
-        box = self._layout.boxes.get(name)
-        return None if box is None else box.view(self._params[box.source].detach())
-
-    def load_patches(self, patches: list[WeightPatch]) -> None:
-        # Check every tensor before copying any, so a mismatch never half-loads the module.
-        for patch in patches:
-            param = self._target(patch.name)
-            if param is None or param.shape != patch.tensor.shape:
-                shape = None if param is None else list(param.shape)
-                raise ApplyError(
-                    f"cannot load {patch.name!r} of shape {list(patch.tensor.shape)} into the module ({shape})"
-                )
-        with torch.no_grad():
-            for patch in patches:
-                param = self._target(patch.name)
-                if patch.positions is None or not param.is_contiguous():
-                    param.copy_(patch.tensor)
-                else:
-                    # Only the changed values cross to the parameter's device (a replica on a GPU
-                    # gets host tensors from the bucket), each operand moved to where it is written.
-                    flat = patch.tensor.reshape(-1)
-                    values = flat[patch.positions.to(flat.device)]
-                    positions = patch.positions.to(param.device)
-                    param.view(-1)[positions] = values.to(param.device, param.dtype)
-
-
-def _checkpoint_layout(module: nn.Module):
-    """The checkpoint layout of a transformers model whose checkpoint is not its parameters
-    as they are, else None (with no transformers imported, nothing can be a transformers model)."""
-    if "transformers" not in sys.modules:
-        return None
-    from ..trainer.checkpoint import CheckpointLayout
-
-    layout = CheckpointLayout.of(module)
-    return None if layout.identity else layout
-
-
-def module_weight_loader(module: nn.Module) -> ModuleWeightLoader:
-    """A `load_weights` callable that copies tensors into a module's parameters by name.
-
-    It knows the module's parameter shapes, which a [`Receiver`] given no
-    `expected_shapes` of its own checks anchors against.
-
-    Example:
-        ```python
-        >>> replica = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
-        >>> receiver = Receiver(load_weights=module_weight_loader(replica))
-        ```
-    """
-    return ModuleWeightLoader(module)
-
-
-@dataclass(frozen=True)
-class ApplyResult:
-    """What a receiver did for one request.
-
-    Args:
-        version: The version held afterwards.
-        applied: Sources of the files applied, in order (empty for a no-op).
-        changed_elements: Elements changed in total.
-        loaded_tensors: Tensors handed to `load_weights`.
-        seconds: Wall time, download included.
-    """
-
-    version: int | None
-    applied: tuple[str, ...]
-    changed_elements: int
-    loaded_tensors: int
-    seconds: float
-
-    @property
-    def noop(self) -> bool:
-        return not self.applied
-
-
-@dataclass(frozen=True)
-class Freshness:
-    """How fresh the `latest.json` a receiver follows is.
-
-    Args:
-        age: Seconds since the trainer wrote (or refreshed) the newest pointer this
-            receiver accepted; None before it read one, or for a pointer without a time.
-        max_age: The age past which it is stale (`DELTA_SYNC_MAX_STALENESS`), or None.
-    """
-
-    age: float | None
-    max_age: float | None
-
-    @property
-    def stale(self) -> bool:
-        """The pointer is older than `max_age`: the trainer stopped, or someone holds the
-        bucket's pointer back."""
-        return self.max_age is not None and self.age is not None and self.age > self.max_age
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """What one [`Receiver.prepare`] call did.
-
-    Args:
-        version: The version the receiver holds afterwards (what a commit loads).
-        applied: Sources of the files this call checked and applied to the snapshot.
-        snapshot_version: The version the snapshot holds: ahead of `version` when another
-            process sharing it has moved it further.
-    """
-
-    version: int | None
-    applied: tuple[str, ...]
-    snapshot_version: int | None
-
-
-@dataclass(eq=False)
-class PendingUpdate:
-    """Files applied to a [`Receiver`]'s snapshot but not yet loaded into the model: a
-    record the receiver keeps while an update is open.
-
-    [`Receiver.prepare`] returns it; end it with exactly one [`Receiver.commit`] (load the
-    changed tensors) or [`Receiver.abort`] (undo the snapshot changes); `commit()` and
-    `abort()` here say the same. While it is open the receiver's `version`, `weights` and
-    `checksums` already describe the prepared version, and further `prepare` calls on the
-    receiver extend this same update.
-
-    Undoing a delta costs O(changed elements): its old values are kept. An anchor replaces
-    every tensor and is not undone in a private snapshot (that would take a second full
-    copy of the model), so aborting an update that holds an anchor leaves such a receiver
-    with no trustworthy version: its next update loads an anchor.
-
-    Args:
-        receiver: The receiver it belongs to.
-        served: What the model held when the update opened.
-
-    Example:
-        ```python
-        >>> pending = receiver.prepare("./deltas", "deltas/step_00000007.safetensors")
-        >>> pending.version, len(pending.names)
-        (7, 12)
-        >>> pending.commit()  # or pending.abort()
-        ```
-    """
-
-    receiver: Receiver
-    served: HeldVersion | None
-    #: Elements the applied files changed.
-    changed_elements: int = 0
-    #: How to undo the deltas applied since the last anchor, oldest first.
-    undo: list[DeltaUndo] = field(default_factory=list)
-    #: Whether an anchor was applied (nothing before it can be undone in a private snapshot).
-    anchored: bool = False
-    #: What each `prepare` call did, in order.
-    steps: list[Prepared] = field(default_factory=list)
-    #: "open", "committed" or "aborted".
-    state: Literal["open", "committed", "aborted"] = "open"
-    started: float = field(default_factory=time.perf_counter)
-    _names: set[str] = field(default_factory=set)
-    _applied: list[str] = field(default_factory=list)
-
-    @property
-    def applied(self) -> tuple[str, ...]:
-        """Sources of the files applied so far, in order."""
-        return tuple(self._applied)
-
-    @property
-    def names(self) -> frozenset[str]:
-        """Parameters the model must load to reach the prepared version: what a commit loads."""
-        return frozenset(self._names)
-
-    @property
-    def version(self) -> int | None:
-        """The version prepared."""
-        return self.receiver.version
-
-    @property
-    def is_open(self) -> bool:
-        """Neither committed nor aborted yet."""
-        return self.state == "open"
-
-    @property
-    def last(self) -> Prepared | None:
-        """What the latest `prepare` call did."""
-        return self.steps[-1] if self.steps else None
-
-    def commit(self, load_weights: LoadWeights | None = None) -> ApplyResult:
-        """[`Receiver.commit`] this update."""
-        return self.receiver.commit(self, load_weights)
-
-    def abort(self) -> None:
-        """[`Receiver.abort`] this update."""
-        self.receiver.abort(self)
-
-    def record(self, source: str, names: Iterable[str], changed_elements: int, undo: DeltaUndo | None) -> None:
-        """Note one file about to be applied; `undo` is None for an anchor."""
-        if undo is None:
-            self.anchored = True
-            self.undo.clear()
-        else:
-            self.undo.append(undo)
-        self._names.update(names)
-        self._applied.append(source)
-        self.changed_elements += changed_elements
-
-    def need(self, names: Iterable[str]) -> None:
-        """Parameters the model must load besides those the applied files changed."""
-        self._names.update(names)
-
-    def close(self, state: Literal["committed", "aborted"]) -> None:
-        if self.state != "open":
-            raise RuntimeError(f"this pending update was already {self.state}")
-        self.state = state
+logger = logging.getLogger(__name__)
 
 
 class Receiver:
@@ -453,14 +186,17 @@ class Receiver:
             verify_key = VerifyKey.from_env()
         elif not isinstance(verify_key, VerifyKey):
             verify_key = VerifyKey.load(verify_key)
-        self.verify_key: VerifyKey | None = verify_key
-        if verify_key is None:
-            _warn_unsigned_once()
-        self.allowed_buckets = None if allowed_buckets is None else [_normalise_url(u) for u in allowed_buckets]
-        self.cache = cache or DownloadCache()
-        self.bucket_id = bucket_id
-        self.max_staleness = max_staleness if max_staleness is not None else _max_staleness_from_env()
-        self.pointers = pointers if pointers is not None else PointerLedger(self.cache.root)
+        cache = cache or DownloadCache()
+        #: What this receiver reads from buckets, and what it trusts of them.
+        self.reader = BucketReader(
+            allowed_buckets=allowed_buckets,
+            verify_key=verify_key,
+            cache=cache,
+            bucket_id=bucket_id,
+            pointers=pointers if pointers is not None else PointerLedger(cache.root),
+            shapes=self._known_shapes,
+        )
+        self.max_staleness = max_staleness if max_staleness is not None else max_staleness_from_env()
         # The newest `latest.json` accepted, for its age.
         self._pointer: Latest | None = None
         self._warned_stale: int | None = None
@@ -470,6 +206,23 @@ class Receiver:
         # The model may hold weights of no version (a load failed): load every tensor next time.
         self._reload_all = False
         self._lock = threading.RLock()
+
+    # -- trust (the reader's) -------------------------------------------------------------------
+
+    @property
+    def verify_key(self) -> VerifyKey | None:
+        """The trainer's key this receiver checks signatures with, or None."""
+        return self.reader.verify_key
+
+    @property
+    def cache(self) -> DownloadCache:
+        """Where downloads go."""
+        return self.reader.cache
+
+    def _known_shapes(self) -> Mapping[str, tuple[int, ...]]:
+        if self.expected_shapes is not None:
+            return self.expected_shapes
+        return {name: tuple(tensor.shape) for name, tensor in self._store.weights.items()}
 
     # -- what is held -------------------------------------------------------------------------
 
@@ -742,23 +495,8 @@ class Receiver:
         return None if seen is None else seen.version
 
     def check_bucket(self, bucket: Bucket | str | os.PathLike) -> Bucket:
-        """Open `bucket`, refusing it unless it is on the allow list."""
-        opened = open_bucket(bucket)
-        if self.allowed_buckets is not None:
-            url = _normalise_url(opened.url)
-            if not self.allowed_buckets:
-                raise UntrustedBucketError(
-                    f"bucket {_shown(opened.url)} refused: this receiver trusts no bucket yet "
-                    f"(for a vLLM server, set {ALLOWED_BUCKETS_ENV})"
-                )
-            if not any(url == allowed or url.startswith(allowed + "/") for allowed in self.allowed_buckets):
-                raise UntrustedBucketError(
-                    f"bucket {_shown(opened.url)} is not on this receiver's allow list "
-                    f"({', '.join(_shown(allowed) for allowed in self.allowed_buckets)}): "
-                    f"publish to one of those, or add it to the list ({ALLOWED_BUCKETS_ENV} on a vLLM server, "
-                    "comma-separated; relative paths there resolve against the server's working directory)"
-                )
-        return opened
+        """Open `bucket`, refusing it unless it is on the allow list (see [`BucketReader.open`])."""
+        return self.reader.open(bucket)
 
     def _advance(
         self, bucket: Bucket, path: str | None, kind: Literal["anchor", "delta"] | None, pending: PendingUpdate
@@ -824,23 +562,16 @@ class Receiver:
             raise RuntimeError(f"an update prepared earlier is still open; commit or abort it before {method}()")
 
     def _read_latest(self, bucket: Bucket) -> Latest:
-        """Read the bucket's pointer; with a verify key, only a pointer signed for this
-        bucket and no older than the newest accepted from it (which it then becomes)."""
-        source = f"{bucket.url}/{LATEST}"
-        identity = self._identity(bucket)
-        latest = Latest.from_json(bucket.read_bytes(LATEST), source=source, verify_key=self.verify_key, bucket=identity)
-        if self.verify_key is not None:
-            try:
-                self.pointers.accept(identity, latest, source=source)
-            except DeltaSyncError as exc:
+        """Read the bucket's pointer as the reader trusts it, and keep it for its age."""
+        try:
+            latest = self.reader.read_latest(bucket)
+        except DeltaSyncError as exc:
+            if self.verify_key is not None:
                 held = self._held
                 logger.error("delta-sync: %s (serving %s)", exc, "nothing" if held is None else held.id)
-                raise
+            raise
         self._pointer = latest
         return latest
-
-    def _identity(self, bucket: Bucket) -> str:
-        return bucket_identity(bucket.url, self.bucket_id)
 
     def freshness(self) -> Freshness:
         """How old the pointer this receiver follows is, and whether that is too old
@@ -896,7 +627,7 @@ class Receiver:
             self._catch_up_once(bucket, pending, self._read_latest(bucket))
 
     def _catch_up_once(self, bucket: Bucket, pending: PendingUpdate, latest: Latest) -> None:
-        if self._is_stale(latest.version, latest.run_id, latest.epoch):
+        if self._already_held(latest.version, latest.run_id, latest.epoch):
             return
         deltas = {v: path for v, path in version_files(bucket.list("deltas"), "delta").items() if v <= latest.version}
         held = self._store.held
@@ -905,7 +636,7 @@ class Receiver:
                 self._prepare_chain(bucket, deltas, held.version, pending, latest)
             except (BaseVersionError, IntegrityError, FormatError, SignatureError) as exc:
                 logger.info("delta-sync: deltas do not lead from v%s to v%d (%s)", held.version, latest.version, exc)
-        if not _reached(self._store.held, latest, weights=True):
+        if not reached(self._store.held, latest, weights=True):
             anchors = version_files(bucket.list("anchors"), "anchor")
             usable = sorted(v for v in anchors if v <= latest.version)
             if not usable:
@@ -918,10 +649,10 @@ class Receiver:
             self._prepare_path(bucket, anchors[usable[-1]], pending, latest)
             self._prepare_chain(bucket, deltas, usable[-1], pending, latest)
         held = self._store.held
-        if not _reached(held, latest, weights=False):
-            reached = "no version" if held is None else f"version {held.version}"
-            raise ApplyError(f"{bucket.url}: catch-up reached {reached}, but latest.json names {latest.version}")
-        if not _reached(held, latest, weights=True):
+        if not reached(held, latest, weights=False):
+            got = "no version" if held is None else f"version {held.version}"
+            raise ApplyError(f"{bucket.url}: catch-up reached {got}, but latest.json names {latest.version}")
+        if not reached(held, latest, weights=True):
             raise ApplyError(
                 f"{bucket.url}: catch-up reached version {latest.version} with weights {held.model_checksum} of "
                 f"run {held.id.run_id}, but latest.json names {latest.model_checksum} of run {latest.run_id}"
@@ -935,8 +666,8 @@ class Receiver:
             raise ApplyError(
                 f"{bucket.url}/{LATEST}: names version {latest.version}, but the bucket holds no file of it"
             )
-        with self.open_version(bucket, path, namespace=_namespace(latest)) as file:
-            _check_against_latest(file.header, latest)
+        with self.reader.open_version(bucket, path, namespace=_namespace(latest)) as file:
+            check_against_latest(file.header, latest)
 
     def _prepare_chain(
         self, bucket: Bucket, deltas: dict[int, str], after: int, pending: PendingUpdate, latest: Latest
@@ -957,123 +688,13 @@ class Receiver:
             anchor_path(step[1]) if step[0] == "anchor" else delta_path(step[1]),
             manifest_path(*step),
         )
-        if canonical and self._is_stale(step[1], latest.run_id, latest.epoch):
+        if canonical and self._already_held(step[1], latest.run_id, latest.epoch):
             return  # the snapshot holds this version or has passed it: nothing to read again
-        with self.open_version(bucket, path, namespace=_namespace(latest)) as file:
+        with self.reader.open_version(bucket, path, namespace=_namespace(latest)) as file:
             if kind is not None:
                 UpdateInfo(bucket.url, path, kind).check_kind(file.header.kind, source=file.header.source)
-            _check_against_latest(file.header, latest)
+            check_against_latest(file.header, latest)
             self._prepare_file(file, pending)
-
-    def open_version(self, bucket: Bucket, path: str, namespace: str = "") -> Anchor | DeltaFile:
-        """Fetch (through the download cache) and read one version of `bucket`: a single file,
-        or a manifest and all its parts, checked by the format gate but not applied.
-
-        Use it as a context manager. Raises what [`read_file`] and
-        `delta_sync.manifest.read_version` raise, and `BucketFileNotFoundError`.
-
-        Args:
-            bucket: The bucket.
-            path: A single file's or a manifest's path in it.
-            namespace: The download cache's namespace (see `DownloadCache.fetch`).
-        """
-        source = f"{bucket.url}/{path}"
-        if not (path.endswith(".safetensors") or is_manifest(path)):
-            raise FormatError(f"{source}: not an anchor, delta or manifest (expected .safetensors or .manifest.json)")
-        step = None if is_part(path) else parse_step_path(path)
-        # The signature comes first: it says how large the file may be.
-        signature = self.read_signature(bucket, path)
-        if signature is not None:
-            limit = signature.size
-        elif is_manifest(path):
-            limit = MAX_MANIFEST_BYTES
-        else:
-            limit = self._size_limit("anchor" if step is None else step[0])
-        try:
-            local = self.cache.fetch(bucket, path, namespace, max_bytes=limit)
-        except OversizedFileError as exc:
-            if signature is None:
-                raise
-            raise SignatureError(f"{source}: larger than the {limit:,} bytes signed: not the one signed") from exc
-        if signature is not None:
-            signature.check_digest(file_sha256(local))
-        if is_manifest(path):
-            manifest = Manifest.from_json(local.read_bytes(), source=source)
-            part_limit = self._size_limit(manifest.kind)
-            parts = [
-                (
-                    record,
-                    self.cache.fetch(bucket, record.path, namespace, max_bytes=self._part_limit(record, part_limit)),
-                )
-                for record in manifest.parts
-            ]
-            self._check_parts_signed(manifest, parts, source)
-            file = read_version(manifest, parts, source=source, base_url=bucket.url)
-        else:
-            file = read_file(local, source=source)
-        if step is not None and (file.header.kind, file.header.version) != step:
-            file.close()
-            raise FormatError(
-                f"{source}: holds {file.header.kind} v{file.header.version}, but its path names {step[0]} v{step[1]}"
-            )
-        if signature is not None and (signature.about.run_id, signature.about.epoch) != (
-            file.header.run_id,
-            file.header.epoch,
-        ):
-            file.close()
-            raise SignatureError(
-                f"{source}: signed for run {signature.about.run_id} (epoch {signature.about.epoch or '-'}), "
-                f"but it holds run {file.header.run_id} (epoch {file.header.epoch or '-'})"
-            )
-        return file
-
-    def read_signature(self, bucket: Bucket, path: str) -> FileSignature | None:
-        """With a verify key: the signature of `bucket`'s file `path`, read (at most a few
-        KiB) and checked against the key, the path and this bucket (the file's own digest
-        is for the caller to check once it is fetched); None without a key.
-
-        Raises:
-            SignatureError: The file is not signed, or not by this key for this path and bucket.
-        """
-        if self.verify_key is None:
-            return None
-        source = f"{bucket.url}/{path}{SIGNATURE_SUFFIX}"
-        with tempfile.TemporaryDirectory(prefix="delta-sync-sig-") as tmp:
-            local = Path(tmp) / "sig"
-            try:
-                bucket.download(path + SIGNATURE_SUFFIX, local, max_bytes=_MAX_SIGNATURE_BYTES)
-            except BucketFileNotFoundError:
-                raise SignatureError(
-                    f"{bucket.url}/{path}: not signed, but this replica only trusts signed versions"
-                ) from None
-            signature = FileSignature.from_json(local.read_bytes(), source=source)
-        self.verify_key.verify(signature, path=path, bucket=self._identity(bucket))
-        return signature
-
-    def _size_limit(self, kind: str) -> int | None:
-        """The most bytes an unsigned file of `kind` may have: its parameters' full bytes
-        (an anchor), or every element changed (a delta), plus a bounded header; None while
-        the model's shapes are unknown (the first anchor defines them)."""
-        shapes = self.expected_shapes
-        if shapes is None:
-            weights = self._store.weights
-            shapes = {name: tuple(tensor.shape) for name, tensor in weights.items()}
-        if not shapes:
-            return None
-        elements = sum(math.prod(shape) for shape in shapes.values())
-        per_element = 2 if kind == "anchor" else _DELTA_BYTES_PER_ELEMENT
-        return elements * per_element + _HEADER_ALLOWANCE + _HEADER_PER_TENSOR * len(shapes)
-
-    def _part_limit(self, record: PartRecord, unsigned_limit: int | None) -> int | None:
-        # A signed manifest's sizes are the trainer's; an unsigned one's are anybody's.
-        return record.bytes if self.verify_key is not None else unsigned_limit
-
-    def _check_parts_signed(self, manifest: Manifest, parts: list[tuple[PartRecord, Path]], source: str) -> None:
-        if self.verify_key is None:
-            return
-        for record, local in parts:
-            if record.sha256 is None or file_sha256(local) != record.sha256:
-                raise SignatureError(f"{source}: part {record.path} is not the one the signed manifest names")
 
     def _prune_cache(self, bucket: Bucket, latest: Latest | None) -> None:
         """Drop downloads no catch-up from the held version can use: anchors older than the
@@ -1115,7 +736,7 @@ class Receiver:
             raise
         return tuple(pending.applied[applied:])
 
-    def _is_stale(self, version: int, run_id: str, epoch: str) -> bool:
+    def _already_held(self, version: int, run_id: str, epoch: str) -> bool:
         """Whether a version is one the snapshot already holds or has passed, on the same
         trajectory (the same start of the run, or that start's history)."""
         held = self._store.held
@@ -1125,10 +746,10 @@ class Receiver:
 
     def _prepare_delta(self, file: DeltaFile, pending: PendingUpdate) -> None:
         header = file.header
-        if self._is_stale(header.version, header.run_id, header.epoch):
+        if self._already_held(header.version, header.run_id, header.epoch):
             return
-        held = self._check_delta_base(header)
-        self._check_held(header)
+        held = check_delta_base(header, self._store.held, self._store.anchor_needed)
+        check_held(header, self._store.weights)
         delta = file.decoded(self._store.weights)
         self._check_delta_tensors(delta, held)
         old_values, new_checksums = self._verify_delta(delta, held)
@@ -1139,55 +760,6 @@ class Receiver:
         pending.record(header.source, delta.changes, header.changed_elements, undo)
         after = HeldVersion(header.id, {**held.checksums, **new_checksums})
         self._store.write_delta(header, delta.changes, undo, after)
-
-    def _check_delta_base(self, header: FileHeader) -> HeldVersion:
-        """The delta continues the held weights: same run, trusted, made against the held
-        version; returns that version."""
-        source = header.source
-        held = self._store.held
-        if held is None:
-            raise BaseVersionError(
-                f"{source}: {self._store.anchor_needed or 'holds no weights yet'}; load an anchor before a delta",
-                held=None,
-                base=header.base_version,
-            )
-        if header.run_id != held.id.run_id:
-            raise ApplyError(
-                f"{source}: belongs to run {header.run_id}, but the held weights are from run {held.id.run_id}"
-            )
-        if header.epoch != held.id.epoch:
-            raise BaseVersionError(
-                f"{source}: written by another start of the run (epoch {header.epoch or '-'}, held: "
-                f"{held.id.epoch or '-'}); load an anchor of it first",
-                held=held.version,
-                base=header.base_version,
-            )
-        if self._store.anchor_needed:
-            raise BaseVersionError(
-                f"{source}: {self._store.anchor_needed}; load an anchor first",
-                held=held.version,
-                base=header.base_version,
-            )
-        if header.base_version != held.version:
-            raise BaseVersionError(
-                f"{source}: applies on top of version {header.base_version}, but version {held.version} is held",
-                held=held.version,
-                base=header.base_version,
-            )
-        return held
-
-    def _check_held(self, header: FileHeader) -> None:
-        """Every parameter the delta changes is held, with its shape."""
-        weights = self._store.weights
-        for name in header.shapes:
-            tensor = weights.get(name)
-            if tensor is None:
-                raise ApplyError(f"{header.source}: unknown parameter {name!r}")
-            if tuple(tensor.shape) != header.shapes[name]:
-                raise ApplyError(
-                    f"{header.source}: parameter {name!r} has shape {list(header.shapes[name])}, "
-                    f"held shape is {list(tensor.shape)}"
-                )
 
     def _check_delta_tensors(self, delta: Delta, held: HeldVersion) -> None:
         """Every parameter the delta changes has the base checksum the trainer had."""
@@ -1227,31 +799,15 @@ class Receiver:
 
     def _prepare_anchor(self, anchor: Anchor, pending: PendingUpdate) -> None:
         header = anchor.header
-        if self._is_stale(header.version, header.run_id, header.epoch):
+        if self._already_held(header.version, header.run_id, header.epoch):
             return
-        self._check_anchor(header)
+        held_shapes = (
+            {n: tuple(t.shape) for n, t in self._store.weights.items()} if self._store.held is not None else {}
+        )
+        check_anchor(header, self.expected_shapes or held_shapes)
         anchor.verify()
         pending.record(header.source, header.names, header.changed_elements, None)
         self._store.write_anchor(header, anchor, HeldVersion(header.id, dict(header.checksums)))
-
-    def _check_anchor(self, header: FileHeader) -> None:
-        """The anchor holds exactly the expected parameters, with the expected shapes."""
-        weights = self._store.weights
-        held = {n: tuple(t.shape) for n, t in weights.items()} if self._store.held is not None else {}
-        expected = self.expected_shapes or held or None
-        if expected is None:
-            return
-        unknown = sorted(set(header.shapes) - set(expected))
-        missing = sorted(set(expected) - set(header.shapes))
-        if unknown:
-            raise ApplyError(f"{header.source}: unknown parameter(s) {unknown[:5]}")
-        if missing:
-            raise ApplyError(f"{header.source}: lacks parameter(s) {missing[:5]}")
-        for name, shape in header.shapes.items():
-            if shape != expected[name]:
-                raise ApplyError(
-                    f"{header.source}: parameter {name!r} has shape {list(shape)}, expected {list(expected[name])}"
-                )
 
     # -- loading and undoing -----------------------------------------------------------------
 
@@ -1329,96 +885,6 @@ class Receiver:
 _INTEGRITY_FAILED = "the held weights failed an integrity check"
 
 
-def _reached(held: HeldVersion | None, latest: Latest, *, weights: bool) -> bool:
-    """Whether `held` is `latest.json`'s version (with `weights`: of its run, with its weights)."""
-    if held is None or held.version != latest.version:
-        return False
-    return not weights or (held.id.run_id, held.model_checksum) == (latest.run_id, latest.model_checksum)
-
-
 def _namespace(latest: Latest) -> str:
     """Cached files are kept per run and start: a resumed run rewrites paths."""
     return f"{latest.run_id}/{latest.epoch}"
-
-
-def _check_against_latest(header: FileHeader, latest: Latest) -> None:
-    """A file is never ahead of the bucket's pointer, nor of another trajectory than it, nor
-    of its version with other weights."""
-    if header.version > latest.version:
-        raise FormatError(
-            f"{header.source}: claims version {header.version}, past the bucket's latest.json ({latest.version})"
-        )
-    if header.run_id != latest.run_id or not latest.owns(header.version, header.epoch):
-        raise ApplyError(
-            f"{header.source}: belongs to run {header.run_id} (epoch {header.epoch or '-'}), but the bucket's "
-            f"latest.json is from run {latest.run_id} (epoch {latest.epoch or '-'})"
-        )
-    if header.part is None and header.version == latest.version and header.model_checksum != latest.model_checksum:
-        raise FormatError(
-            f"{header.source}: model_checksum {header.model_checksum}, but the bucket's latest.json names "
-            f"model_checksum {latest.model_checksum} for version {latest.version}: one of the two is not the "
-            "trainer's; refused"
-        )
-
-
-def _max_staleness_from_env() -> float | None:
-    value = os.environ.get(MAX_STALENESS_ENV, "").strip()
-    if not value:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"{MAX_STALENESS_ENV} must be a positive number of seconds, got {value!r}")
-    return seconds
-
-
-_warned_unsigned = False
-
-
-def _warn_unsigned_once() -> None:
-    global _warned_unsigned
-    if not _warned_unsigned:
-        _warned_unsigned = True
-        logger.info(
-            "delta-sync: no verify key (%s): files are trusted as the bucket serves them; set it to accept "
-            "only versions the trainer signed",
-            VERIFY_KEY_ENV,
-        )
-
-
-def _shown(url: str) -> str:
-    """A bucket URL as a refusal names it. vLLM's HTTP error answers replace anything that
-    looks like a local path with `<path>`, so a local bucket also gets its last two
-    components, written so that they survive that (no leading slash): the trainer can still
-    tell which of its directories was refused, and what the allow list holds instead."""
-    if not url.startswith("file://"):
-        return url
-    tail = "/".join(url.rstrip("/").split("/")[-2:])
-    return f"{url} (ending {tail!r})"
-
-
-def _normalise_url(url: str) -> str:
-    """The URL compared against the allow list: percent-escapes decoded (a store may decode
-    them itself), no dot segments, no trailing slash."""
-    url = str(url).rstrip("/")
-    if "://" not in url:
-        return open_bucket(url).url.rstrip("/")
-    scheme, _, rest = url.partition("://")
-    segments = unquote(rest).split("/")
-    if any(segment in (".", "..") for segment in segments):
-        raise UntrustedBucketError(
-            f"bucket {url} refused: its path has a '.' or '..' segment (decoded: {unquote(rest)})"
-        )
-    return f"{scheme}://{'/'.join(segments)}"
-
-
-def expected_shapes_of(module: nn.Module) -> dict[str, tuple[int, ...]]:
-    """Checkpoint name -> shape of a module's weights, the `expected_shapes` of a [`Receiver`]
-    feeding it: its parameters, or for a transformers model with another run-time layout
-    (fused MoE experts), the tensors its checkpoint holds."""
-    layout = _checkpoint_layout(module)
-    if layout is not None:
-        return dict(layout.shapes)
-    return {name: tuple(p.shape) for name, p in module.named_parameters()}

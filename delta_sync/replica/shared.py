@@ -37,7 +37,7 @@ from .store import DeltaUndo, SnapshotMemory, deltas_between, union_positions
 
 __all__ = ["NodeStore"]
 
-logger = logging.getLogger("delta_sync")
+logger = logging.getLogger(__name__)
 
 
 class NodeStore:

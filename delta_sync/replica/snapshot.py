@@ -54,7 +54,7 @@ from ..version import HeldVersion, VersionId
 
 __all__ = ["HistoryEntry", "NodeSnapshot", "SnapshotState", "mapped_memory", "snapshot_directory"]
 
-logger = logging.getLogger("delta_sync")
+logger = logging.getLogger(__name__)
 
 _STATE_FORMAT = 2  # 2: one undo record holds every tensor's changes in two tensors
 _ALIGN = 32  # elements: tensors start on 64-byte boundaries

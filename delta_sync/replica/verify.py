@@ -20,7 +20,7 @@ from .receiver import Receiver
 
 __all__ = ["VerifyReport", "VerifyStep", "verify_bucket"]
 
-logger = logging.getLogger("delta_sync")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,7 @@ def _check(report: VerifyReport, receiver: Receiver, bucket: Bucket, path: str, 
 
 def _compare_anchor(report: VerifyReport, receiver: Receiver, bucket: Bucket, version: int, path: str) -> None:
     try:
-        anchor = receiver.open_version(bucket, path)
+        anchor = receiver.reader.open_version(bucket, path)
     except Exception as exc:
         report.add(path, False, _problem(exc))
         return

@@ -45,7 +45,7 @@ from .sharding import ModelLayout, ParamShard
 
 __all__ = ["CheckpointBox", "CheckpointLayout", "canonical_name", "check_checkpoint_names", "pretrained_model"]
 
-logger = logging.getLogger("delta_sync")
+logger = logging.getLogger(__name__)
 
 # Segments that wrappers insert into parameter names: DDP / Accelerate (`module`),
 # torch.compile (`_orig_mod`), FSDP1 and activation checkpointing. The names we publish

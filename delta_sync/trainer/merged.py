@@ -24,7 +24,7 @@ from .checkpoint import canonical_name, check_checkpoint_names
 # `check_checkpoint_names` lives in `checkpoint`; named here too, where it used to be.
 __all__ = ["MergedWeights", "check_checkpoint_names", "merged_weights"]
 
-logger = logging.getLogger("delta_sync")
+logger = logging.getLogger(__name__)
 
 #: What a model with PEFT modules can be published as; named in every refusal.
 _PEFT_OPTIONS = (

@@ -22,7 +22,7 @@ from ..errors import DeltaSyncError, ReplicaError
 
 __all__ = ["ReplicaSet", "ReplicaState"]
 
-logger = logging.getLogger("delta_sync")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
