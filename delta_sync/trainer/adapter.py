@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import copy
 import logging
-import queue
+import os
 import shutil
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,13 +51,14 @@ from ..layout import (
     parse_adapter_path,
 )
 from ..signing import SigningKey, file_sha256
-from ..storage import open_bucket
+from ..storage import Bucket, open_bucket
 from ..version import VersionId
+from .background import BackgroundWriter
 from .options import PeftPublish, PublisherOptions, signing_key_of
 from .prefix import PointerWriter, claim_prefix
-from .writer import PublishReport, stop_worker
+from .writer import PublishReport
 
-__all__ = ["AdapterPublisher", "PeftPublish", "adapter_state", "peft_model_of"]
+__all__ = ["AdapterJob", "AdapterPublisher", "PeftPublish", "adapter_state", "peft_model_of"]
 
 logger = logging.getLogger("delta_sync")
 
@@ -132,13 +133,37 @@ def adapter_state(peft_model: nn.Module) -> tuple[dict[str, torch.Tensor], objec
     return tensors, config
 
 
+@dataclass(frozen=True)
+class AdapterJob:
+    """One adapter version handed from the training thread to the thread that stores it.
+
+    Args:
+        id: The version's identity (an adapter version is its own anchor).
+        tensors: A copy of the adapter's weights ([`adapter_state`]).
+        config: A copy of its `peft` config.
+        detect_seconds: Time the training thread spent copying them.
+    """
+
+    id: VersionId
+    tensors: dict[str, torch.Tensor]
+    config: object
+    detect_seconds: float
+
+    @property
+    def version(self) -> int:
+        return self.id.version
+
+    def release(self) -> None:
+        """Nothing to release: the job holds copies, not the trainer's tensors."""
+
+
 class _AdapterWriter(PointerWriter):
     """Stores adapter versions, in order, from one thread: both files signed, then the
     pointer, then retention (the newest `keep` versions stay)."""
 
     def __init__(
         self,
-        bucket,
+        bucket: Bucket,
         *,
         signing_key: SigningKey | None,
         bucket_id: str | None,
@@ -154,10 +179,18 @@ class _AdapterWriter(PointerWriter):
     def close(self) -> None:
         shutil.rmtree(self._staging, ignore_errors=True)
 
-    def store(self, id: VersionId, tensors: dict[str, torch.Tensor], config: object, seconds: float) -> PublishReport:
+    def store(self, job: AdapterJob, earlier_failure: BaseException | None = None) -> PublishReport:
+        """Store one adapter version: both files signed, then the pointer, then retention.
+
+        Args:
+            job: The version.
+            earlier_failure: Not used: with no ranks to keep in step, a version after a
+                failure is dropped before it gets here.
+        """
         from safetensors.torch import save_file
 
         started = time.perf_counter()
+        id, tensors, config = job.id, job.tensors, job.config
         if self._resumed:
             self._rewind(id.version)
         directory = adapter_dir(id.version)
@@ -190,7 +223,7 @@ class _AdapterWriter(PointerWriter):
             bytes_written=written,
             delta_bytes=0,
             steps=1,
-            detect_seconds=seconds,
+            detect_seconds=job.detect_seconds,
             publish_seconds=time.perf_counter() - started,
             model_checksum=sha256,
             catch_up_bytes=written,
@@ -231,9 +264,12 @@ class AdapterPublisher:
     """Publishes a PEFT LoRA model's adapter, whole, as every version (adapter mode).
 
     The training thread copies the adapter's weights (a few MB at most); a worker thread
-    (with `background`) writes, signs and uploads the two files and moves `latest.json`.
-    Versions are stored in order; a failure is raised by the next [`publish`], [`flush`] or
-    [`close`], and versions queued behind it are dropped. `keep_anchors` is the number of
+    (with `background`; a `delta_sync.trainer.background.BackgroundWriter`, as for anchors
+    and deltas) writes, signs and uploads the two files and moves `latest.json`. Versions
+    are stored in order; a failure is raised by the next [`publish`], [`flush`] or
+    [`close`], and versions queued behind it are dropped. While there is nothing new to
+    publish, `latest.json` is written again every `pointer_refresh` seconds, so that
+    replicas with a staleness bound see a live trainer. `keep_anchors` is the number of
     adapter versions kept in the bucket.
 
     Args:
@@ -251,7 +287,7 @@ class AdapterPublisher:
 
     def __init__(
         self,
-        bucket,
+        bucket: Bucket | str | os.PathLike,
         model: nn.Module,
         options: PublisherOptions,
         *,
@@ -260,30 +296,34 @@ class AdapterPublisher:
         self.peft_model = peft_model_of(model)
         self.options = options
         self.bucket = open_bucket(bucket)
-        self.on_published = list(on_published)
         self.signing_key = signing_key_of(options.signing_key)
         self.run_id = options.run_id or uuid.uuid4().hex[:12]
         self.epoch = uuid.uuid4().hex[:8]
         resumed = _claim_adapters(self.bucket, self.run_id, overwrite=options.overwrite)
-        self._writer = _AdapterWriter(
+        writer = _AdapterWriter(
             self.bucket,
             signing_key=self.signing_key,
             bucket_id=options.bucket_id,
             keep=options.keep_anchors,
             resumed=resumed,
         )
+        self._jobs = BackgroundWriter(
+            writer,
+            background=options.background,
+            max_pending=options.max_pending,
+            pointer_refresh=options.pointer_refresh,
+            describe=_describe,
+            on_published=on_published,
+            bucket_url=self.bucket.url,
+            noun="adapter version",
+            thread_name="delta-sync-adapter-publisher",
+        )
         #: Every version stored, in order.
-        self.reports: list[PublishReport] = []
+        self.reports: list[PublishReport] = self._jobs.reports
+        #: Called with each report once stored (see `on_published` above).
+        self.on_published: list[Callable[[PublishReport], None]] = self._jobs.on_published
         self._last_version: int | None = None
         self._first_version: int | None = None
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()
-        self._queue: queue.Queue | None = None
-        self._worker: threading.Thread | None = None
-        if options.background:
-            self._queue = queue.Queue(maxsize=max(1, options.max_pending))
-            self._worker = threading.Thread(target=self._run, name="delta-sync-adapter-publisher", daemon=True)
-            self._worker.start()
 
     @property
     def last_version(self) -> int | None:
@@ -294,6 +334,11 @@ class AdapterPublisher:
     def first_version(self) -> int | None:
         """The first version handed to [`publish`]."""
         return self._first_version
+
+    @property
+    def pending_error(self) -> BaseException | None:
+        """A background failure not yet raised (it will be, by the next publish, flush or close)."""
+        return self._jobs.pending_failure
 
     def publish(self, version: int) -> None:
         """Publish the adapter as it is now as `version`.
@@ -307,20 +352,19 @@ class AdapterPublisher:
         self._raise()
         started = time.perf_counter()
         tensors, config = adapter_state(self.peft_model)
-        job = (VersionId(version, version, self.run_id, self.epoch), tensors, config, time.perf_counter() - started)
+        job = AdapterJob(
+            VersionId(version, version, self.run_id, self.epoch), tensors, config, time.perf_counter() - started
+        )
         self._last_version = version
         if self._first_version is None:
             self._first_version = version
-        if self._queue is None:
-            self._store(job)
+        self._jobs.submit(job)
+        if not self._jobs.background:
             self._raise()
-        else:
-            self._queue.put(job)
 
     def flush(self) -> None:
         """Wait until every published version is stored; raise [`PublishError`] if one failed."""
-        if self._queue is not None:
-            self._queue.join()
+        self._jobs.flush()
         self._raise()
 
     def close(self) -> None:
@@ -328,51 +372,24 @@ class AdapterPublisher:
         try:
             self.flush()
         finally:
-            stop_worker(self._queue, self._worker)
-            self._writer.close()
+            self._jobs.close()
 
     def _raise(self) -> None:
-        with self._lock:
-            failure, self._error = self._error, None
+        """Raise a failure of an earlier version, if the worker kept one."""
+        failure = self._jobs.take_failure()
         if failure is not None:
             raise PublishError(f"publishing to {self.bucket.url} failed: {failure}") from failure
 
-    def _run(self) -> None:
-        assert self._queue is not None
-        while True:
-            job = self._queue.get()
-            try:
-                if job is None:
-                    return
-                self._store(job)
-            finally:
-                self._queue.task_done()
 
-    def _store(self, job: tuple) -> None:
-        with self._lock:
-            if self._error is not None:
-                logger.error("delta-sync: adapter version %d dropped after an earlier failure", job[0].version)
-                return
-        try:
-            report = self._writer.store(*job)
-        except BaseException as exc:  # reported to the training thread, never dropped
-            logger.error("delta-sync: publishing adapter v%d to %s failed: %s", job[0].version, self.bucket.url, exc)
-            with self._lock:
-                self._error = exc
-            return
-        self.reports.append(report)
-        logger.info(
-            "delta-sync: v%d adapter: %d elements, %d bytes in %.3f s",
-            report.version,
-            report.changed_elements,
-            report.bytes_written,
-            report.detect_seconds + report.publish_seconds,
-        )
-        for callback in self.on_published:
-            callback(report)
+def _describe(report: PublishReport) -> str:
+    """The line logged for a stored adapter version."""
+    return (
+        f"v{report.version} adapter: {report.changed_elements} elements, {report.bytes_written} bytes in "
+        f"{report.detect_seconds + report.publish_seconds:.3f} s"
+    )
 
 
-def _claim_adapters(bucket, run_id: str, *, overwrite: bool) -> list[str]:
+def _claim_adapters(bucket: Bucket, run_id: str, *, overwrite: bool) -> list[str]:
     """Claim the prefix for `run_id` ([`claim_prefix`] for the pointer and any anchors and
     deltas); returns this run's adapter files found there (a resumed run replaces them from
     its first version on). Another run's adapter files are deleted with `overwrite`, else refused."""

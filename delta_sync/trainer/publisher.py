@@ -1,19 +1,23 @@
 """`Publisher`: turns a detector's changes into anchors, deltas and `latest.json` in a bucket.
 
-Three parts, each with one owner:
+Four parts, each with one owner:
 
 * [`AnchorSchedule`] (`delta_sync.trainer.schedule`) decides what each version stores;
   the training thread asks it, the writer tells it what was stored (it locks its state).
 * [`VersionWriter`] (`delta_sync.trainer.writer`) encodes, uploads, writes manifests and
   `latest.json`, and applies retention; its state belongs to the thread that runs jobs
   (the worker thread, or the training thread when `background=False`).
+* [`BackgroundWriter`] (`delta_sync.trainer.background`, shared with adapter mode) runs
+  the jobs through the writer in order: the queue and its worker, the failure kept for
+  the training thread, and the refresh of `latest.json` while there is nothing to publish.
 * [`SnapshotLease`] (`delta_sync.trainer.lease`) holds the detector's snapshot from
   [`Publisher.publish`] until the version's files are encoded, released exactly once
   and before any upload begins.
 
-The publisher itself is what is left: the queue and its worker, and the one exchange
-among ranks at each publish, flush or close. Its options ([`PublisherOptions`]) live in
-`delta_sync.trainer.options`, shared with adapter mode, and are re-exported here.
+The publisher itself is what is left: planning each version on the training thread, and
+the one exchange among ranks at each publish, flush or close. Its options
+([`PublisherOptions`]) live in `delta_sync.trainer.options`, shared with adapter mode,
+and are re-exported here.
 """
 
 from __future__ import annotations
@@ -21,8 +25,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import queue
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -33,13 +35,14 @@ from ..changes import Encoding
 from ..errors import PublishError
 from ..storage import Bucket, open_bucket
 from ..version import VersionId
+from .background import BackgroundWriter
 from .detector import BF16ChangeDetector
 from .lease import SnapshotLease
 from .options import PublisherOptions, signing_key_of
 from .prefix import claim_prefix
 from .ranks import RankGroup, ThreadRole
 from .schedule import AnchorSchedule
-from .writer import PublishReport, VersionJob, VersionWriter, stop_worker
+from .writer import PublishReport, VersionJob, VersionWriter
 
 __all__ = ["PublishReport", "Publisher", "PublisherOptions"]
 
@@ -123,7 +126,6 @@ class Publisher:
         self.bucket = open_bucket(bucket)
         self.detector = detector
         self.layout = detector.layout
-        self.on_published = list(on_published)
         #: Whether versions are written as one part per rank plus a manifest.
         self.parted = self.layout.sharded
         self._ranks = RankGroup(self.layout.world_size if self.parted else 1)
@@ -136,12 +138,8 @@ class Publisher:
         resumed_files = self._join_prefix(options.overwrite)
         # Shared by the two threads, each behind its own lock.
         self._schedule = AnchorSchedule(options.anchor_every, options.anchor_bytes_ratio)
-        self._error: BaseException | None = None
-        self._error_lock = threading.Lock()
-        #: Every version stored, in order (appended by the thread that writes).
-        self.reports: list[PublishReport] = []
         # The thread that runs jobs owns the writer.
-        self._writer = VersionWriter(
+        writer = VersionWriter(
             self.bucket,
             detector,
             self._ranks,
@@ -157,14 +155,24 @@ class Publisher:
             resumed_files=resumed_files,
             bucket_id=options.bucket_id,
         )
+        self._jobs = BackgroundWriter(
+            writer,
+            background=options.background,
+            max_pending=options.max_pending,
+            pointer_refresh=options.pointer_refresh,
+            # With parts, a rank that dropped a version would leave the others waiting for it.
+            keep_in_step=self.parted,
+            describe=_describe,
+            on_published=on_published,
+            bucket_url=self.bucket.url,
+            thread_name="delta-sync-publisher",
+        )
+        #: Every version stored, in order (appended by the thread that writes).
+        self.reports: list[PublishReport] = self._jobs.reports
+        #: Called with each report once stored (see `on_published` above).
+        self.on_published: list[Callable[[PublishReport], None]] = self._jobs.on_published
         # The training thread's.
         self._last_version: int | None = None
-        self._queue: queue.Queue[VersionJob | None] | None = None
-        self._worker: threading.Thread | None = None
-        if options.background:
-            self._queue = queue.Queue(maxsize=max(1, options.max_pending))
-            self._worker = threading.Thread(target=self._run_worker, name="delta-sync-publisher", daemon=True)
-            self._worker.start()
 
     def _join_prefix(self, overwrite: bool) -> list[str]:
         """Rank 0 claims the prefix; every rank adopts its run id or its refusal. Returns the
@@ -190,8 +198,7 @@ class Publisher:
     @property
     def pending_error(self) -> BaseException | None:
         """A background failure not yet raised (it will be, by the next publish, flush or close)."""
-        with self._error_lock:
-            return self._error
+        return self._jobs.pending_failure
 
     def publish(self, version: int) -> None:
         """Publish the model's current weights as `version`.
@@ -219,16 +226,13 @@ class Publisher:
             lease = SnapshotLease.none()
         job = VersionJob(version, change_set, plan, time.perf_counter() - started, lease)
         self._last_version = version
-        if self._queue is None:
-            self._run_job(job)
+        self._jobs.submit(job)
+        if not self._jobs.background:
             self._raise(self._pool().failure)
-        else:
-            self._queue.put(job)
 
     def flush(self) -> None:
         """Wait until every published version is stored; raise [`PublishError`] if one failed."""
-        if self._queue is not None:
-            self._queue.join()
+        self._jobs.flush()
         self._raise(self._pool().failure)
 
     def close(self) -> None:
@@ -236,8 +240,7 @@ class Publisher:
         try:
             self.flush()
         finally:
-            stop_worker(self._queue, self._worker)
-            self._writer.close()
+            self._jobs.close()
 
     def _pool(self, changed: int = 0) -> _Pooled:
         """Take this rank's pending failure and pool it, with `changed`, across the ranks.
@@ -246,8 +249,7 @@ class Publisher:
         ranks tell each other what they know in one exchange: a failure any rank knows of
         counts for all, the changed counts add up, and rank 0's bytes verdict stands.
         """
-        with self._error_lock:
-            failure, self._error = self._error, None
+        failure = self._jobs.take_failure()
         if not self.parted:
             return _Pooled(failure, changed, None)
         pooled = self._ranks.gather(
@@ -264,68 +266,14 @@ class Publisher:
             self._schedule.restart()
             raise PublishError(f"publishing to {self.bucket.url} failed: {failure}") from failure
 
-    # -- worker side -----------------------------------------------------------------
 
-    def _run_worker(self) -> None:
-        assert self._queue is not None
-        while True:
-            try:
-                job = self._queue.get(timeout=self._refresh_due())
-            except queue.Empty:
-                self._refresh_pointer()
-                continue
-            try:
-                if job is None:
-                    return
-                self._run_job(job)
-            finally:
-                self._queue.task_done()
-
-    def _refresh_due(self) -> float | None:
-        """Seconds until the pointer is due a refresh (None: wait for a job however long)."""
-        every, written = self.options.pointer_refresh, self._writer.pointer_written
-        if every is None or written is None or self.rank != 0:
-            return None
-        return max(0.0, written + every - time.monotonic())
-
-    def _refresh_pointer(self) -> None:
-        with self._error_lock:
-            if self._error is not None:
-                return  # the training thread hears of the failure first; the next version points anew
-        try:
-            if self._writer.refresh_pointer():
-                logger.debug("delta-sync: refreshed latest.json (nothing new to publish)")
-        except BaseException as exc:  # refreshing is best effort: the next one, or the next version, retries
-            logger.warning("delta-sync: could not refresh latest.json on %s: %s", self.bucket.url, exc)
-
-    def _run_job(self, job: VersionJob) -> None:
-        """Store one version and report it; a failure is kept for the training thread."""
-        with self._error_lock:
-            earlier = self._error
-        try:
-            if earlier is not None and not self.parted:
-                logger.error("delta-sync: version %d dropped after an earlier publish failure", job.version)
-                return
-            report = self._writer.store(job, earlier)
-        except BaseException as exc:  # reported to the training thread, never dropped
-            logger.error("delta-sync: publishing version %d to %s failed: %s", job.version, self.bucket.url, exc)
-            with self._error_lock:
-                self._error = exc
-            return
-        finally:
-            job.lease.release()  # if the writer did not get as far
-        self.reports.append(report)
-        logger.info(
-            "delta-sync: v%d %s: %d changed (sparsity %.4f%%), %s in %.3f s",
-            report.version,
-            report.kind,
-            report.changed_elements,
-            100 * report.sparsity,
-            _human_bytes(report.bytes_written),
-            report.detect_seconds + report.publish_seconds,
-        )
-        for callback in self.on_published:
-            callback(report)
+def _describe(report: PublishReport) -> str:
+    """The line logged for a stored version."""
+    return (
+        f"v{report.version} {report.kind}: {report.changed_elements} changed (sparsity "
+        f"{100 * report.sparsity:.4f}%), {_human_bytes(report.bytes_written)} in "
+        f"{report.detect_seconds + report.publish_seconds:.3f} s"
+    )
 
 
 def _human_bytes(size: float) -> str:

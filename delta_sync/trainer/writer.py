@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import queue
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -55,7 +53,6 @@ __all__ = [
     "PublishReport",
     "VersionJob",
     "VersionWriter",
-    "stop_worker",
 ]
 
 logger = logging.getLogger("delta_sync")
@@ -120,8 +117,8 @@ class VersionJob:
         plan: What to store (see [`AnchorSchedule.plan`]).
         detect_seconds: Time the training thread spent on it.
         lease: The hold on the detector's snapshot, if encoding this version needs it;
-            the writer releases it once the files are encoded (the publisher again, in
-            any case, when the job ends).
+            the writer releases it once the files are encoded ([`release`] again, in any
+            case, when the job ends: `delta_sync.trainer.background`).
     """
 
     version: int
@@ -129,6 +126,10 @@ class VersionJob:
     plan: Plan
     detect_seconds: float
     lease: SnapshotLease
+
+    def release(self) -> None:
+        """Release the snapshot lease, if the writer did not get as far (once only)."""
+        self.lease.release()
 
 
 @dataclass(frozen=True)
@@ -585,10 +586,3 @@ class VersionWriter(PointerWriter):
         paths = [path for path in stored_anchors + self.bucket.list("deltas") if doomed(path)]
         self.bucket.delete(paths)
         logger.info("delta-sync: retention removed %d file(s) older than anchor v%d", len(paths), oldest_kept)
-
-
-def stop_worker(jobs: queue.Queue | None, worker: threading.Thread | None) -> None:
-    """End a publisher's worker thread once the jobs queued before are done (None ends it)."""
-    if jobs is not None and worker is not None and worker.is_alive():
-        jobs.put(None)
-        worker.join()
