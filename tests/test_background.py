@@ -15,6 +15,7 @@ from tiny_model import build_tiny_model
 
 from delta_sync import Receiver, open_bucket
 from delta_sync.replica.adapter import AdapterFetcher
+from delta_sync.replica.pointer import PointerLedger
 from delta_sync.signing import SigningKey, bucket_identity
 from delta_sync.storage.cache import DownloadCache
 from delta_sync.trainer.adapter import AdapterPublisher
@@ -39,7 +40,13 @@ def test_an_idle_adapter_mode_trainer_stays_fresh_to_a_replica_with_a_staleness_
     publisher = AdapterPublisher(
         bucket, model, PublisherOptions(signing_key=KEY, pointer_refresh=refresh, background=True)
     )
-    receiver = Receiver(cache=DownloadCache(tmp_path / "replica-cache"), verify_key=KEY.verify_key, max_staleness=bound)
+    pointers = PointerLedger(None)  # the replica's record of the newest pointer it accepted
+    receiver = Receiver(
+        cache=DownloadCache(tmp_path / "replica-cache"),
+        verify_key=KEY.verify_key,
+        max_staleness=bound,
+        pointers=pointers,
+    )
     fetcher = AdapterFetcher(receiver)
     identity = bucket_identity(open_bucket(bucket).url)
 
@@ -51,13 +58,13 @@ def test_an_idle_adapter_mode_trainer_stays_fresh_to_a_replica_with_a_staleness_
         publisher.publish(1)
         publisher.flush()
         first = fetcher.fetch(bucket)
-        accepted = receiver.pointers.newest(identity)
+        accepted = pointers.newest(identity)
         assert accepted is not None and accepted.version == 1
         # Nothing more is published. By the time the pointer first fetched has grown older
         # than the replica's bound, a live trainer has written it again.
         wait_for(lambda: age(accepted) > receiver.max_staleness, "the first pointer to outgrow the bound", timeout=60)
         again = fetcher.fetch(bucket)  # signature checked, and accepted as newer by the replica's ledger
-        refreshed = receiver.pointers.newest(identity)
+        refreshed = pointers.newest(identity)
         assert (again.version, again.path, again.model_checksum) == (1, first.path, first.model_checksum)
         assert refreshed.sequence > accepted.sequence and refreshed.version == 1
         assert age(refreshed) <= receiver.max_staleness, "an idle adapter-mode trainer's pointer went stale"
