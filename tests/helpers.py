@@ -1,6 +1,7 @@
 """What the tests share: waiting with a deadline, loopback ports, servers started and
-stopped (a stdlib HTTP server in a thread, a process group), the command line, and the
-tiny Qwen3 config of the torchrun scripts.
+stopped (a stdlib HTTP server in a thread, a process group), the command line, the tiny
+Qwen3 config of the torchrun scripts, and the bit patterns that exact comparisons of
+weights use. Plain functions, imported by name; pytest fixtures are in conftest.py.
 
 The house rules these serve (CONTRIBUTING.md): a test waits for a condition with
 [`wait_for`], never with a bare sleep; every server it starts listens on 127.0.0.1, on a
@@ -20,7 +21,10 @@ import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:  # torch is imported where used: the test servers and scripts that import this need none
+    import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -182,3 +186,35 @@ def uneven_qwen3_config():
     from tiny_model import tiny_qwen3_config
 
     return tiny_qwen3_config(vocab_size=301, hidden_size=50, intermediate_size=70, head_dim=2)
+
+
+# -- bit patterns, for exact comparisons of weights ----------------------------------------------
+
+
+def bf16_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The bf16 bit patterns of a tensor, as int16: an fp32 tensor is rounded to bf16 first."""
+    import torch
+
+    return tensor.detach().to(torch.bfloat16).view(torch.int16)
+
+
+def raw_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's own bit patterns, nothing rounded: a view as int16 (bf16, fp16) or int32
+    (fp32); writing to it writes the tensor."""
+    import torch
+
+    return tensor.detach().view({2: torch.int16, 4: torch.int32}[tensor.element_size()])
+
+
+def held_bf16_bits(receiver) -> dict[str, torch.Tensor]:
+    """A copy of the bf16 bit patterns (`bf16_bits`) of every weight a `Receiver` holds, by name."""
+    return {name: bf16_bits(t).clone() for name, t in receiver.weights.items()}
+
+
+def assert_bit_exact(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
+    """The same names, and each tensor the same in bf16 (`bf16_bits`), bit for bit."""
+    import torch
+
+    assert sorted(expected) == sorted(actual)
+    for name in expected:
+        assert torch.equal(bf16_bits(expected[name]), bf16_bits(actual[name])), f"{name} differs"

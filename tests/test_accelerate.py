@@ -16,11 +16,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from two_tower import TwoTower
 
 from delta_sync import BF16ChangeDetector, DeltaSyncCallback, verify_bucket
 from delta_sync.errors import UnsupportedLayoutError
 
-from conftest import TwoTower
 from helpers import free_port
 
 SCRIPTS = Path(__file__).parent / "distributed"

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from two_tower import PublishedRun, replica_receiver
 
 from delta_sync import Receiver, open_bucket
 from delta_sync.errors import (
@@ -29,8 +30,7 @@ from delta_sync.errors import (
 from delta_sync.layout import LATEST, anchor_path, delta_path
 from delta_sync.replica.verify import verify_bucket
 
-from conftest import PublishedRun, bits, replica_receiver
-from helpers import free_port
+from helpers import bf16_bits, free_port
 
 #: Generous upper bound for an operation that exhausts the tests' 4-second retry budget.
 GIVE_UP_SECONDS = 30
@@ -38,7 +38,7 @@ GIVE_UP_SECONDS = 30
 
 def assert_state(expected: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> None:
     assert sorted(expected) == sorted(weights)
-    assert all(torch.equal(bits(expected[n]), weights[n].view(torch.int16)) for n in expected)
+    assert all(torch.equal(bf16_bits(expected[n]), weights[n].view(torch.int16)) for n in expected)
 
 
 # -- Hugging Face ------------------------------------------------------------------------------

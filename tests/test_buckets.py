@@ -14,6 +14,7 @@ import threading
 
 import pytest
 import torch
+from two_tower import PublishedRun, TwoTower, bf16_state, replica_receiver, train_step
 
 from delta_sync import BF16ChangeDetector, Publisher, open_bucket
 from delta_sync.errors import (
@@ -28,7 +29,7 @@ from delta_sync.replica.verify import verify_bucket
 from delta_sync.storage.cache import DownloadCache
 
 import helpers
-from conftest import PublishedRun, TwoTower, bf16_state, bits, replica_receiver, train_step
+from helpers import bf16_bits
 
 
 def cli(target, *args: str) -> subprocess.CompletedProcess:
@@ -39,7 +40,7 @@ def cli(target, *args: str) -> subprocess.CompletedProcess:
 def assert_state(expected: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> None:
     assert sorted(expected) == sorted(weights)
     for name, tensor in expected.items():
-        assert torch.equal(bits(tensor), weights[name].view(torch.int16)), f"{name} differs"
+        assert torch.equal(bf16_bits(tensor), weights[name].view(torch.int16)), f"{name} differs"
 
 
 def test_round_trip(bucket_target, tmp_path):

@@ -347,7 +347,7 @@ def test_refuses_a_checkpoint_tensor_made_of_several_parameters():
 
 
 def test_a_model_without_transformers_conversion_is_its_own_checkpoint():
-    from conftest import TwoTower
+    from two_tower import TwoTower
 
     layout = CheckpointLayout.of(TwoTower())
     assert layout.identity

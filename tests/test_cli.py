@@ -7,12 +7,12 @@ import re
 import shutil
 
 import pytest
+from two_tower import PublishedRun, bf16_state, replica_receiver
 
 from delta_sync.errors import FormatError
 from delta_sync.layout import anchor_path, delta_path
 
-from conftest import PublishedRun, assert_bit_exact, bf16_state, replica_receiver
-from helpers import cli
+from helpers import assert_bit_exact, cli
 from overflowing_streams import PAST_SLOTS, change_most_of, overflowing_copies
 
 

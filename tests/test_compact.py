@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from rans_reference import varint
+from two_tower import TwoTower, train_step
 
 from delta_sync import BF16ChangeDetector, compact
 from delta_sync.bitmasks import FAST_BIT_GATHER
@@ -17,17 +18,13 @@ from delta_sync.errors import ApplyError, FormatError
 from delta_sync.format import SparseChange, index_dtype
 from delta_sync.parallel import THREADS_ENV
 
-from conftest import TwoTower, train_step
+from helpers import raw_bits
 
 # The first test in a process may compile the codec (about a minute; more on a busy machine).
 pytestmark = pytest.mark.timeout(300)
 
 SOURCE = "deltas/step_00000002.safetensors"
 VERSION = 5  # first byte of a compact stream
-
-
-def bits(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.view(torch.int16)
 
 
 def round_trip(changes: dict[str, SparseChange], previous: dict[str, torch.Tensor]) -> dict[str, SparseChange]:
@@ -38,9 +35,9 @@ def round_trip(changes: dict[str, SparseChange], previous: dict[str, torch.Tenso
     after, old_values = {}, {}
     for name, change in changes.items():
         after[name] = previous[name].clone()
-        flat = bits(after[name]).reshape(-1)
+        flat = raw_bits(after[name]).reshape(-1)
         old_values[name] = flat[change.indices.long()].view(torch.bfloat16)
-        flat[change.indices.long()] = bits(change.values)
+        flat[change.indices.long()] = raw_bits(change.values)
     patched = encode_changes(changes, after, old_values=old_values)
     for name, entry in entries.items():
         assert torch.equal(patched[name], entry), name
@@ -48,13 +45,13 @@ def round_trip(changes: dict[str, SparseChange], previous: dict[str, torch.Tenso
     shapes = {name: tuple(previous[name].shape) for name in changes}
     decoded = decode_changes(entries, held, shapes, source=SOURCE)
     for name, tensor in previous.items():
-        assert torch.equal(bits(held[name]), bits(tensor)), "decoding must not modify the held weights"
+        assert torch.equal(raw_bits(held[name]), raw_bits(tensor)), "decoding must not modify the held weights"
     assert sorted(decoded) == sorted(changes)
     for name, change in changes.items():
         got = decoded[name]
         assert got.indices.dtype == index_dtype(previous[name].numel())
         assert torch.equal(got.indices.long(), change.indices.long()), name
-        assert torch.equal(bits(got.values), bits(change.values)), name
+        assert torch.equal(raw_bits(got.values), raw_bits(change.values)), name
     return decoded
 
 
@@ -229,7 +226,7 @@ def test_both_select_passes_find_the_same_members(numel, rates, boundaries):
     generator = torch.Generator().manual_seed(numel + len(rates))
     previous = (torch.randn(numel, generator=generator) * 0.02).to(torch.bfloat16)
     change = exponent_rate_change(generator, previous, rates)
-    prev_bits = bits(previous).numpy()
+    prev_bits = raw_bits(previous).numpy()
     boundaries = np.array(boundaries, np.int64)
     limits = tuple(np.int16(limit) for limit in compact._limits(boundaries))[: 1 if boundaries.size == 1 else 7]
     counts = compact._group_counts(prev_bits, boundaries)
@@ -266,7 +263,7 @@ def test_the_deposit_select_pass_files_no_more_than_its_ranks_when_groups_are_la
     # counts the members it saw, which the decoder compares with the claimed sizes.
     previous = torch.zeros(10_000, dtype=torch.bfloat16)
     previous[5_000:] = 1.0  # exponent 127: group 1
-    prev_bits = bits(previous).numpy()
+    prev_bits = raw_bits(previous).numpy()
     boundaries = np.array([100], np.int64)
     claimed = np.array([64, 64], np.int64)
     ranks = np.concatenate([np.arange(64), np.arange(64)]).astype(np.int64)  # every claimed member wanted
@@ -302,7 +299,7 @@ def test_the_sample_counts_each_sampled_element_by_its_previous_exponent(numel, 
     # tensor), counted four elements at a time; with `patched`, the changed elements count
     # with their old exponents.
     rng = np.random.default_rng(numel)
-    prev_bits = bits((torch.randn(numel) * 0.02).to(torch.bfloat16)).numpy()
+    prev_bits = raw_bits((torch.randn(numel) * 0.02).to(torch.bfloat16)).numpy()
     positions = np.sort(rng.choice(numel, max(1, numel // 50), replace=False)).astype(np.int64)
     old = rng.integers(-(2**15), 2**15, positions.size).astype(np.int16)
     runs = max(compact._SAMPLE_RUNS, numel // (compact._SAMPLE_EVERY * compact._SAMPLE_RUN))
@@ -602,9 +599,9 @@ def test_a_stream_for_other_weights_is_refused_by_its_group_sizes(encoded):
     previous, change, stream = encoded
     other = previous.clone()
     unchanged = np.setdiff1d(np.arange(previous.numel()), change.indices.long().numpy())[:50]
-    bits(other)[torch.from_numpy(unchanged)] = 0x3F80  # 1.0: into the highest group
+    raw_bits(other)[torch.from_numpy(unchanged)] = 0x3F80  # 1.0: into the highest group
     boundaries = stream[2 : 2 + int(stream[1]) - 1].tolist()
-    assert any(int(bits(previous)[i]) >> 7 & 0xFF < boundaries[-1] for i in unchanged)
+    assert any(int(raw_bits(previous)[i]) >> 7 & 0xFF < boundaries[-1] for i in unchanged)
     with pytest.raises(FormatError, match=r"w\.compact: group \d+ has \d+ members in the held tensor, not the size"):
         decode_changes({"w" + SUFFIX: stream}, {"w": other}, {"w": tuple(previous.shape)}, source=SOURCE)
 

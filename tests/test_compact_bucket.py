@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from two_tower import TwoTower, bf16_state, train_step
 
 from delta_sync import BF16ChangeDetector, Publisher, Receiver, read_file, verify_bucket
 from delta_sync.errors import FormatError
 from delta_sync.layout import anchor_path, delta_path
 
-from conftest import TwoTower, bf16_state, bits, train_step
+from helpers import bf16_bits
 
 
 def publish(root, encoding: str, versions: int = 5):
@@ -39,7 +40,7 @@ def test_compact_deltas_replay_bit_exactly_and_are_smaller(tmp_path):
     for version in range(2, 6):
         assert receiver.update(tmp_path / "compact", delta_path(version)).version == version
         for name, tensor in states[version].items():
-            assert torch.equal(bits(tensor), bits(receiver.weights[name])), (version, name)
+            assert torch.equal(bf16_bits(tensor), bf16_bits(receiver.weights[name])), (version, name)
     assert verify_bucket(str(tmp_path / "compact")).ok
 
 
@@ -48,7 +49,7 @@ def test_a_damaged_compact_delta_changes_nothing(tmp_path):
     receiver = Receiver()
     receiver.update(tmp_path, anchor_path(1))
     receiver.update(tmp_path, delta_path(2))
-    before = {name: bits(t).clone() for name, t in receiver.weights.items()}
+    before = {name: bf16_bits(t).clone() for name, t in receiver.weights.items()}
     path = tmp_path / delta_path(3)
     data = bytearray(path.read_bytes())
     data[-5] ^= 0x10
@@ -57,7 +58,7 @@ def test_a_damaged_compact_delta_changes_nothing(tmp_path):
         receiver.update(tmp_path, delta_path(3))
     assert receiver.version == 2
     for name, tensor in before.items():
-        assert torch.equal(tensor, bits(receiver.weights[name]))
+        assert torch.equal(tensor, bf16_bits(receiver.weights[name]))
 
 
 @pytest.mark.slow

@@ -11,8 +11,8 @@ from delta_sync.control import Route, UpdateInfo
 from delta_sync.errors import ApplyError
 from delta_sync.layout import anchor_path, delta_path
 
-from conftest import assert_bit_exact
 from fake_vllm import FakeVLLM
+from helpers import assert_bit_exact
 
 ANCHOR = "anchors/step_00000001.safetensors"
 DELTA = "deltas/step_00000002.safetensors"

@@ -16,13 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from two_tower import PublishedRun, TwoTower
 
 from delta_sync import Receiver, expected_shapes_of, module_weight_loader, verify_bucket
 from delta_sync.errors import DeltaSyncError
 from delta_sync.integrity import model_checksum, tensor_checksum
 from delta_sync.replica.shared import NodeStore
 
-from conftest import PublishedRun, TwoTower
+from helpers import raw_bits
 
 pytestmark = pytest.mark.slow
 
@@ -163,19 +164,18 @@ def test_a_replica_killed_at_every_write_of_the_node_snapshot_recovers(tmp_path)
             # What the model now holds (the shared snapshot itself may be ahead of it).
             served = dict(replica.named_parameters())
             for name, tensor in run.states[receiver.version].items():
-                assert torch.equal(bits(tensor), bits(served[name].detach())), (crash_at, path, name)
+                assert torch.equal(raw_bits(tensor), raw_bits(served[name].detach())), (crash_at, path, name)
         receiver.update(run.root)
         assert receiver.version == 7, crash_at
         for name, tensor in run.states[7].items():
-            assert torch.equal(bits(tensor), bits(receiver.weights[name])), (crash_at, name)
-            assert torch.equal(bits(tensor), bits(dict(replica.named_parameters())[name].detach())), (crash_at, name)
+            assert torch.equal(raw_bits(tensor), raw_bits(receiver.weights[name])), (crash_at, name)
+            assert torch.equal(raw_bits(tensor), raw_bits(dict(replica.named_parameters())[name].detach())), (
+                crash_at,
+                name,
+            )
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         list(pool.map(case, range(1, writes + 1)))
-
-
-def bits(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().contiguous().view(torch.int16)
 
 
 def _load(path: Path, name: str):

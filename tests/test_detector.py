@@ -5,16 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from two_tower import TwoTower, bf16_state, train_step
 
 from delta_sync import BF16ChangeDetector
 from delta_sync.trainer.detector import canonical_name
 
-from conftest import TwoTower, bf16_state, bits, train_step
+from helpers import bf16_bits
 
 
 def expected_changes(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Brute force: every element whose bf16 bit pattern differs, for every parameter."""
-    masks = {name: (bits(after[name]) != bits(before[name])).reshape(-1) for name in before}
+    masks = {name: (bf16_bits(after[name]) != bf16_bits(before[name])).reshape(-1) for name in before}
     return {name: mask for name, mask in masks.items() if mask.any()}
 
 
@@ -24,8 +25,10 @@ def assert_exact(change_set, before, after) -> None:
     for name, mask in expected.items():
         change = change_set.changes[name]
         assert torch.equal(change.indices.long(), mask.nonzero().squeeze(1)), name
-        assert torch.equal(change.values.view(torch.int16), bits(after[name]).reshape(-1)[mask]), name
-        assert torch.equal(change_set.old_values[name].view(torch.int16), bits(before[name]).reshape(-1)[mask]), name
+        assert torch.equal(change.values.view(torch.int16), bf16_bits(after[name]).reshape(-1)[mask]), name
+        assert torch.equal(change_set.old_values[name].view(torch.int16), bf16_bits(before[name]).reshape(-1)[mask]), (
+            name
+        )
     assert change_set.changed_elements == sum(int(m.sum()) for m in expected.values())
 
 
@@ -111,7 +114,7 @@ def test_skipped_step_fires_no_hook_and_loses_nothing(seeded):
 
     scaled_step(0, overflow=True)
     assert detector.steps_pending == 0
-    assert torch.equal(bits(model.head.weight), before["head.weight"].view(torch.int16))
+    assert torch.equal(bf16_bits(model.head.weight), before["head.weight"].view(torch.int16))
     scaled_step(1, overflow=False)
     assert detector.steps_pending == 1
     assert_exact(detector.changes(), before, bf16_state(model))

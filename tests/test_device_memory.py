@@ -20,13 +20,13 @@ import pytest
 import torch
 from tiny_model import build_tiny_model
 from torch.utils._pytree import tree_flatten, tree_map
+from two_tower import TwoTower, train_step
 
 import delta_sync.sparse as sparse
 import delta_sync.trainer.detector as detector_module
 from delta_sync import BF16ChangeDetector
 from delta_sync.staging import HostBuffers
 
-from conftest import TwoTower, train_step
 from helpers import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))

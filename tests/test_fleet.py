@@ -19,8 +19,16 @@ from delta_sync.layout import LATEST, Latest
 from delta_sync.trainer.replicas import ReplicaSet
 
 from helpers import stop_process, wait_for
-from test_vllm import EMPTY_SHA256, PROMPT, SERVER_POLL_SECONDS, TinyTrainer, greedy, run_example
-from vllm_server import VLLMServer, serving
+from vllm_server import (
+    EMPTY_SHA256,
+    PROMPT,
+    SERVER_POLL_SECONDS,
+    TinyTrainer,
+    VLLMServer,
+    greedy,
+    run_example,
+    serving,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -14,6 +14,7 @@ import sys
 import threading
 
 import pytest
+from two_tower import PublishedRun, bf16_state, resume_in_place
 
 from delta_sync.control import Route
 from delta_sync.errors import BucketFileNotFoundError, BucketUnavailableError
@@ -22,9 +23,8 @@ from delta_sync.replica.follow import Follower
 from delta_sync.storage import Bucket, LocalBucket, open_bucket
 from delta_sync.trainer.replicas import ReplicaSet
 
-from conftest import PublishedRun, assert_bit_exact, bf16_state, resume_in_place
 from fake_vllm import FakeVLLM
-from helpers import WAIT_SECONDS, cli, wait_for
+from helpers import WAIT_SECONDS, assert_bit_exact, cli, wait_for
 
 
 def record_applied(server: FakeVLLM) -> list[str]:

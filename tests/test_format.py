@@ -15,7 +15,7 @@ from delta_sync.format import Anchor, Delta, FileHeader, SparseChange, index_dty
 from delta_sync.integrity import model_checksum, tensor_checksum, updated_checksum
 from delta_sync.version import VersionId
 
-from conftest import assert_bit_exact
+from helpers import assert_bit_exact
 
 
 def anchor_header(tensors: dict[str, torch.Tensor], version: int = 1) -> FileHeader:

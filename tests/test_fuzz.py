@@ -16,13 +16,14 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from two_tower import PublishedRun
 
 from delta_sync import Receiver
 from delta_sync.errors import DeltaSyncError
 from delta_sync.layout import LATEST, anchor_path, delta_path
 from delta_sync.signing import SigningKey
 
-from conftest import PublishedRun, bits
+from helpers import bf16_bits, held_bf16_bits
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -50,7 +51,7 @@ def replica_at_v3(root) -> Receiver:
 
 
 def snapshot(receiver: Receiver):
-    return receiver.version, {name: bits(t).clone() for name, t in receiver.weights.items()}
+    return receiver.version, held_bf16_bits(receiver)
 
 
 def assert_never_wrong(original, receiver: Receiver, before, request) -> None:
@@ -61,11 +62,11 @@ def assert_never_wrong(original, receiver: Receiver, before, request) -> None:
     except DeltaSyncError:
         assert receiver.version == version
         for name, tensor in held.items():
-            assert torch.equal(tensor, bits(receiver.weights[name])), name
+            assert torch.equal(tensor, bf16_bits(receiver.weights[name])), name
         return
     expected = original.states[receiver.version]
     for name, tensor in expected.items():
-        assert torch.equal(bits(tensor), bits(receiver.weights[name])), (receiver.version, name)
+        assert torch.equal(bf16_bits(tensor), bf16_bits(receiver.weights[name])), (receiver.version, name)
 
 
 def flip_bytes(path, rng: random.Random, count: int) -> None:
@@ -190,10 +191,10 @@ def test_hostile_latest_json(original, bucket, pointer):
 
 
 def test_with_a_key_every_flip_is_a_signature_error(tmp_path):
+    from two_tower import TwoTower, train_step
+
     from delta_sync import BF16ChangeDetector, Publisher
     from delta_sync.errors import SignatureError
-
-    from conftest import TwoTower, train_step
 
     key = SigningKey.generate()
     torch.manual_seed(0)

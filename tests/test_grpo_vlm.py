@@ -12,6 +12,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from helpers import bf16_bits
+
 pytestmark = pytest.mark.slow
 
 transformers = pytest.importorskip("transformers")
@@ -93,10 +95,6 @@ def reward_cats(completions, **kwargs) -> list[float]:
     """Mentions of "cat", plus a little for length, so rewards vary within a group."""
     texts = [completion[-1]["content"] for completion in completions]
     return [text.count("cat") + len(text) / 20 for text in texts]
-
-
-def bf16_bits(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().to(torch.bfloat16).view(torch.int16)
 
 
 def test_grpo_on_image_prompts_publishes_save_pretrained_of_the_vlm(tmp_path):

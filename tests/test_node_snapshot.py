@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from two_tower import TwoTower, bf16_state
 
 from delta_sync import Receiver, expected_shapes_of, module_weight_loader
 from delta_sync.errors import SnapshotMovedError
@@ -23,7 +24,7 @@ from delta_sync.replica import snapshot as snapshot_module
 from delta_sync.replica.shared import NodeStore
 from delta_sync.replica.snapshot import NodeSnapshot
 
-from conftest import TwoTower, assert_bit_exact, bf16_state
+from helpers import assert_bit_exact
 
 
 def worker(snapshot_dir: Path, *, history: int = 8, **kwargs) -> tuple[Receiver, TwoTower]:

@@ -164,7 +164,7 @@ def test_grpo_with_lora_publishes_merge_and_unload_bit_exact(tmp_path, encoding)
 def test_vllm_serving_the_base_checkpoint_follows_a_lora_trainer(vllm_server, served_model, bucket_root, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from test_vllm import PROMPT, greedy, unpacked_checksums_match
+    from vllm_server import PROMPT, greedy, unpacked_checksums_match
 
     bucket = bucket_root / "peft-merged"
     sync = DeltaSyncCallback(bucket=str(bucket), anchor_every=2, vllm_url=vllm_server.url)

@@ -30,15 +30,11 @@ from delta_sync.storage.cache import DownloadCache
 from delta_sync.trainer.adapter import AdapterPublisher, PeftPublish
 from delta_sync.trainer.publisher import PublisherOptions
 
+from helpers import raw_bits
 from trainers import grpo_trainer
 
 LORA = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
 ADAPTER_NAME = "policy"
-
-
-def bits(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor's bit pattern (bf16 as int16, fp32 as int32)."""
-    return tensor.view({2: torch.int16, 4: torch.int32}[tensor.element_size()])
 
 
 def assert_same_adapter(expected: nn.Module, actual: nn.Module) -> None:
@@ -46,7 +42,7 @@ def assert_same_adapter(expected: nn.Module, actual: nn.Module) -> None:
     ours, theirs = get_peft_model_state_dict(expected), get_peft_model_state_dict(actual)
     assert sorted(ours) == sorted(theirs) and ours
     assert {name: t.dtype for name, t in ours.items()} == {name: t.dtype for name, t in theirs.items()}
-    differing = [name for name in ours if not torch.equal(bits(ours[name]), bits(theirs[name]))]
+    differing = [name for name in ours if not torch.equal(raw_bits(ours[name]), raw_bits(theirs[name]))]
     assert not differing, f"differ from the trainer's adapter: {differing}"
 
 
@@ -378,13 +374,13 @@ def served_lora_model(served_model) -> nn.Module:
 
 def reference_greedy(model: nn.Module) -> list[int]:
     """Greedy tokens of transformers + peft holding the adapter (unmerged)."""
-    from test_vllm import PROMPT, greedy
+    from vllm_server import PROMPT, greedy
 
     return greedy(copy.deepcopy(model).eval(), PROMPT)
 
 
 def server_greedy(server, model_name: str) -> list[int]:
-    from test_vllm import PROMPT
+    from vllm_server import PROMPT
 
     response = server.post(
         "/v1/completions",

@@ -9,14 +9,14 @@ import sys
 import threading
 
 import pytest
+from two_tower import TwoTower, bf16_state, replica_receiver
 
 from delta_sync import Receiver, expected_shapes_of, module_weight_loader
 from delta_sync.layout import LATEST, delta_path
 from delta_sync.replica.prefetch import Prefetcher
 from delta_sync.replica.shared import NodeStore
 
-from conftest import TwoTower, assert_bit_exact, bf16_state, replica_receiver
-from helpers import wait_for
+from helpers import assert_bit_exact, wait_for
 
 
 def node_worker(snapshot_dir) -> tuple[Receiver, TwoTower]:
@@ -133,7 +133,7 @@ def test_a_private_snapshot_is_not_prefetched(stepwise):
 
 
 def test_another_buckets_versions_wait_until_an_update_asks_for_that_bucket(stepwise, tmp_path):
-    from conftest import PublishedRun
+    from two_tower import PublishedRun
 
     other = PublishedRun(tmp_path / "other", versions=2)
     try:

@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 import torch
+from two_tower import TwoTower, bf16_state, train_step
 
 from delta_sync import BF16ChangeDetector, Publisher, Receiver, expected_shapes_of, module_weight_loader
 from delta_sync.errors import OversizedFileError, PublishError, ReplayError, SignatureError
@@ -21,8 +22,7 @@ from delta_sync.signing import SIGNATURE_SUFFIX, FileSignature, SigningKey
 from delta_sync.storage import LocalBucket
 from delta_sync.storage.cache import DownloadCache
 
-from conftest import TwoTower, assert_bit_exact, bf16_state, bits, train_step
-from helpers import wait_for
+from helpers import assert_bit_exact, bf16_bits, held_bf16_bits, wait_for
 
 KEY = SigningKey.generate()
 
@@ -75,15 +75,11 @@ def replica(tmp_path, name: str = "replica", **kwargs) -> tuple[Receiver, TwoTow
     return receiver, model
 
 
-def held_bits(receiver: Receiver) -> dict[str, torch.Tensor]:
-    return {name: bits(t).clone() for name, t in receiver.weights.items()}
-
-
 def assert_still_serving(receiver: Receiver, model: TwoTower, before: dict[str, torch.Tensor], version: int) -> None:
     assert receiver.version == version
     for name, tensor in before.items():
-        assert torch.equal(tensor, bits(receiver.weights[name])), name
-        assert torch.equal(tensor, bits(dict(model.named_parameters())[name].detach())), name
+        assert torch.equal(tensor, bf16_bits(receiver.weights[name])), name
+        assert torch.equal(tensor, bf16_bits(dict(model.named_parameters())[name].detach())), name
 
 
 @pytest.fixture
@@ -96,7 +92,7 @@ def run8(tmp_path):
 def test_an_older_signed_pointer_put_back_is_refused_and_a_restart_remembers(tmp_path, run8):
     receiver, model = replica(tmp_path)
     assert receiver.update(run8.root).version == 8
-    before = held_bits(receiver)
+    before = held_bf16_bits(receiver)
     (run8.root / LATEST).write_bytes(run8.pointers[5])  # genuinely signed, and older
     with pytest.raises(ReplayError, match=r"older than one this replica already accepted .* naming v5 .* v8"):
         receiver.update(run8.root)
@@ -120,7 +116,7 @@ def test_the_whole_bucket_as_it_was_is_refused(tmp_path):
     run.close()
     receiver, model = replica(tmp_path)
     assert receiver.update(run.root).version == 8
-    before = held_bits(receiver)
+    before = held_bf16_bits(receiver)
     shutil.rmtree(run.root)
     shutil.copytree(tmp_path / "backup", run.root)
     with pytest.raises(ReplayError):
@@ -133,7 +129,7 @@ def test_another_runs_files_signed_with_the_same_key_are_refused(tmp_path, run8)
     other.close()
     receiver, model = replica(tmp_path)
     assert receiver.update(run8.root).version == 8
-    before = held_bits(receiver)
+    before = held_bf16_bits(receiver)
     shutil.rmtree(run8.root)
     shutil.copytree(other.root, run8.root)
     with pytest.raises(SignatureError, match=r"latest\.json: signed for bucket '.*run-b', but it was read from"):
@@ -171,7 +167,7 @@ def test_a_resume_is_followed_and_its_abandoned_epoch_is_refused(tmp_path, run8)
     assert receiver.update(run8.root).version == 10
     assert receiver.epoch == resumed.publisher.epoch
     assert_bit_exact(resumed.states[10], bf16_state(model))
-    before = held_bits(receiver)
+    before = held_bf16_bits(receiver)
     (run8.root / LATEST).write_bytes(abandoned_v8)
     with pytest.raises(ReplayError, match=f"epoch {run8.publisher.epoch}"):
         receiver.update(run8.root)

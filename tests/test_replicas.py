@@ -12,15 +12,15 @@ import time
 
 import httpx
 import pytest
+from two_tower import PublishedRun
 
 from delta_sync.control import STATUS_METHOD, Route
 from delta_sync.control.client import Replica
 from delta_sync.errors import ReplicaError
 from delta_sync.trainer.replicas import ReplicaSet
 
-from conftest import PublishedRun, assert_bit_exact
 from fake_vllm import FakeVLLM
-from helpers import WAIT_SECONDS, wait_for
+from helpers import WAIT_SECONDS, assert_bit_exact, wait_for
 
 #: One update, in order: START, UPDATE, then FINISH with generation paused, then the status.
 UPDATE_ROUTES = [

@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+from two_tower import TwoTower, bf16_state, train_step
 
 from delta_sync import BF16ChangeDetector, Publisher, Receiver, read_file, verify_bucket
 from delta_sync.errors import ApplyError, FormatError, SignatureError
@@ -16,7 +17,7 @@ from delta_sync.integrity import model_checksum, updated_checksum
 from delta_sync.layout import LATEST, anchor_path, delta_path
 from delta_sync.signing import SigningKey, VerifyKey
 
-from conftest import TwoTower, bf16_state, bits, train_step
+from helpers import bf16_bits, held_bf16_bits
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +43,10 @@ def publish(root, signing_key, versions: int = 4):
     return states
 
 
-def held_bits(receiver: Receiver) -> dict[str, torch.Tensor]:
-    return {name: bits(t).clone() for name, t in receiver.weights.items()}
-
-
 def assert_unchanged(receiver: Receiver, before: dict[str, torch.Tensor], version: int) -> None:
     assert receiver.version == version
     for name, tensor in before.items():
-        assert torch.equal(tensor, bits(receiver.weights[name])), name
+        assert torch.equal(tensor, bf16_bits(receiver.weights[name])), name
 
 
 def test_keygen_writes_a_private_key_only_its_owner_reads(keys):
@@ -70,7 +67,7 @@ def test_a_signed_bucket_replays_bit_exactly_with_the_key(tmp_path, keys):
     receiver = Receiver(verify_key=public)
     assert receiver.update(tmp_path).version == 4
     for name, tensor in states[4].items():
-        assert torch.equal(bits(tensor), bits(receiver.weights[name]))
+        assert torch.equal(bf16_bits(tensor), bf16_bits(receiver.weights[name]))
     assert verify_bucket(str(tmp_path)).ok
 
 
@@ -121,7 +118,7 @@ def test_forged_files_are_refused_with_a_key(tmp_path, keys, forgery):
     receiver = Receiver(verify_key=public)
     for path in (anchor_path(1), delta_path(2), delta_path(3)):
         receiver.update(tmp_path, path)
-    before, version = held_bits(receiver), receiver.version
+    before, version = held_bf16_bits(receiver), receiver.version
     forge(tmp_path, **forgery)
     with pytest.raises(
         SignatureError,
@@ -132,7 +129,7 @@ def test_forged_files_are_refused_with_a_key(tmp_path, keys, forgery):
     # Catching up passes over the forged delta and reaches v4 through its signed anchor.
     assert receiver.update(tmp_path).version == 4
     for name, tensor in states[4].items():
-        assert torch.equal(bits(tensor), bits(receiver.weights[name])), name
+        assert torch.equal(bf16_bits(tensor), bf16_bits(receiver.weights[name])), name
 
 
 def test_without_a_key_a_version_jump_is_still_refused(tmp_path):
@@ -141,7 +138,7 @@ def test_without_a_key_a_version_jump_is_still_refused(tmp_path):
     receiver.update(tmp_path, anchor_path(1))
     for version in (2, 3):
         receiver.update(tmp_path, delta_path(version))
-    before = held_bits(receiver)
+    before = held_bf16_bits(receiver)
     forge(tmp_path, edit_metadata={"version": 97})
     with pytest.raises(FormatError, match="path names delta v4"):
         receiver.update(tmp_path, delta_path(4))

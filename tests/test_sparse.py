@@ -7,6 +7,8 @@ import torch
 
 from delta_sync.sparse import extract_changes_
 
+from helpers import raw_bits
+
 pytestmark = pytest.mark.timeout(120)
 
 # fp32 words torch must round like any other value: NaNs (quiet, signalling, negative, with
@@ -19,13 +21,9 @@ SPECIAL_WORDS = torch.tensor(
 ).to(torch.int32)  # fmt: skip
 
 
-def bits(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.view(torch.int16)
-
-
 def expected(current: torch.Tensor, snapshot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    rounded = bits(current.to(torch.bfloat16)).reshape(-1)
-    mask = rounded != bits(snapshot).reshape(-1)
+    rounded = raw_bits(current.to(torch.bfloat16)).reshape(-1)
+    mask = rounded != raw_bits(snapshot).reshape(-1)
     return mask, rounded
 
 
@@ -54,9 +52,9 @@ def test_matches_torch_and_advances_the_snapshot(dtype, numel, density, index_dt
     positions, new, old = extract_changes_(current, advanced, index_dtype)
     assert positions.dtype == index_dtype
     assert torch.equal(positions.long(), mask.nonzero().squeeze(1))
-    assert torch.equal(bits(new), rounded[mask])
-    assert torch.equal(bits(old), bits(snapshot)[mask])
-    assert torch.equal(bits(advanced), rounded), "the snapshot must hold the new bf16 values"
+    assert torch.equal(raw_bits(new), rounded[mask])
+    assert torch.equal(raw_bits(old), raw_bits(snapshot)[mask])
+    assert torch.equal(raw_bits(advanced), rounded), "the snapshot must hold the new bf16 values"
     assert extract_changes_(current, advanced, index_dtype)[0].numel() == 0
 
 
@@ -66,7 +64,7 @@ def test_fp32_special_values_round_as_torch_does():
     mask, rounded = expected(current, snapshot)
     positions, new, _ = extract_changes_(current, snapshot)
     assert torch.equal(positions, mask.nonzero().squeeze(1))
-    assert torch.equal(bits(new), rounded[mask])
+    assert torch.equal(raw_bits(new), rounded[mask])
 
 
 def test_buffers_grow_when_most_elements_change():
@@ -74,8 +72,8 @@ def test_buffers_grow_when_most_elements_change():
     snapshot = torch.zeros(300_000, dtype=torch.bfloat16)
     positions, new, old = extract_changes_(current, snapshot)
     assert torch.equal(positions, torch.arange(300_000))
-    assert torch.equal(bits(new), bits(current.to(torch.bfloat16)))
-    assert not bits(old).any()
+    assert torch.equal(raw_bits(new), raw_bits(current.to(torch.bfloat16)))
+    assert not raw_bits(old).any()
 
 
 def test_other_layouts_are_left_to_torch():
@@ -84,7 +82,7 @@ def test_other_layouts_are_left_to_torch():
     assert extract_changes_(torch.ones(4, 4, dtype=torch.float16), snapshot) is None  # another dtype
     assert extract_changes_(torch.ones(4, 4), snapshot.float()) is None  # snapshot not bf16
     assert extract_changes_(torch.ones(8), snapshot) is None  # sizes differ
-    assert not bits(snapshot).any(), "nothing advanced"
+    assert not raw_bits(snapshot).any(), "nothing advanced"
 
 
 @pytest.mark.parametrize("offset", [1, 2, 3])
@@ -102,9 +100,9 @@ def test_bf16_views_that_start_mid_word_are_compared_exactly(offset):
     advanced.copy_(snapshot)
     positions, new, old = extract_changes_(current, advanced)
     assert torch.equal(positions, moved)
-    assert torch.equal(bits(new), bits(current)[moved])
-    assert torch.equal(bits(old), bits(snapshot)[moved])
-    assert torch.equal(bits(advanced), bits(current))
+    assert torch.equal(raw_bits(new), raw_bits(current)[moved])
+    assert torch.equal(raw_bits(old), raw_bits(snapshot)[moved])
+    assert torch.equal(raw_bits(advanced), raw_bits(current))
 
 
 def test_many_tensors_in_one_call_each_as_alone():
@@ -130,15 +128,15 @@ def test_many_tensors_in_one_call_each_as_alone():
     cases.insert(2, declined)
     wanted = [expected(current, snapshot) for current, snapshot, _ in cases]
     results = extract_changes_many_(cases)
-    assert results[2] is None and torch.equal(bits(declined[1]), torch.zeros(16, dtype=torch.int16))
+    assert results[2] is None and torch.equal(raw_bits(declined[1]), torch.zeros(16, dtype=torch.int16))
     for (current, snapshot, index_dtype), (mask, rounded), found in zip(cases, wanted, results):
         if current is declined[0]:
             continue
         positions, new, old = found
         assert positions.dtype == index_dtype
         assert torch.equal(positions.long(), mask.nonzero().squeeze(1))
-        assert torch.equal(bits(new), rounded[mask])
-        assert torch.equal(bits(snapshot), rounded), "the snapshot must hold the new bf16 values"
+        assert torch.equal(raw_bits(new), rounded[mask])
+        assert torch.equal(raw_bits(snapshot), rounded), "the snapshot must hold the new bf16 values"
 
 
 # -- the torch path, many tensors at once --------------------------------------------------

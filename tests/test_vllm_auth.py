@@ -25,8 +25,7 @@ from delta_sync.signing import SIGNING_KEY_ENV
 from delta_sync.trainer import trl_vllm
 
 from helpers import LoopbackHTTPServer
-from test_vllm import PROMPT, TinyTrainer, run_example
-from vllm_server import API_TOKEN, SIGNING_KEY, vllm_ext_auth
+from vllm_server import API_TOKEN, PROMPT, SIGNING_KEY, run_example, vllm_ext_auth
 
 #: Routes of vLLM 0.32 that its OpenAPI schema leaves out: FastAPI's documentation and the
 #: Prometheus app mounted at `/metrics`.
@@ -137,13 +136,6 @@ def test_vllm_034s_routes_are_classified_and_its_checkpoint_routes_need_the_toke
 
 
 # -- against a real server ------------------------------------------------------------------
-
-
-@pytest.fixture
-def trainer(served_model, bucket_root, request):
-    trainer = TinyTrainer(served_model, bucket_root / request.node.name)
-    yield trainer
-    trainer.close()
 
 
 def server_routes(server) -> set[tuple[str, str]]:

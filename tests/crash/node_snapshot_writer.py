@@ -24,7 +24,7 @@ from delta_sync.replica import shared, snapshot
 from delta_sync.replica.shared import NodeStore
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from conftest import TwoTower  # noqa: E402
+from two_tower import TwoTower  # noqa: E402
 
 #: What the replica applies: anchors replace the whole snapshot, deltas change it in place.
 FILES = [anchor_path(1), delta_path(2), delta_path(3), anchor_path(4), delta_path(5), delta_path(6), delta_path(7)]

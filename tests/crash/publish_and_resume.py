@@ -22,7 +22,7 @@ import torch
 from delta_sync import BF16ChangeDetector, LocalBucket, Publisher
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from conftest import TwoTower, train_step  # noqa: E402
+from two_tower import TwoTower, train_step  # noqa: E402
 
 RUN_ID = "crash-matrix"
 
