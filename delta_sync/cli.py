@@ -280,7 +280,7 @@ def _version_row(kind: str, version: int, size: int, header) -> dict:
 
 
 def _follow(args: argparse.Namespace) -> int:
-    logging.getLogger(__name__).setLevel(logging.INFO)  # a line per version, even without -v
+    logging.getLogger("delta_sync").setLevel(logging.INFO)  # every module's records: a line per version, even without -v
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         # Stop between polls, or after the update in flight: never leave a session open.
