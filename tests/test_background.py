@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 import peft
 import pytest
 import torch
-from tiny_model import build_tiny_model
 
 from delta_sync import Receiver, open_bucket
 from delta_sync.replica.adapter import AdapterFetcher
@@ -24,6 +23,7 @@ from delta_sync.trainer.options import PublisherOptions
 from delta_sync.trainer.writer import PublishReport
 
 from helpers import wait_for
+from tiny_model import build_tiny_model
 
 KEY = SigningKey.generate()
 
