@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from delta_sync import BF16ChangeDetector, Publisher, Receiver, expected_shapes_of, module_weight_loader, verify_bucket
-from delta_sync.errors import ApplyError, UnservableModelError
-from delta_sync.format import SparseChange
+from delta_sync.errors import UnservableModelError
+from delta_sync.format import SparseChange, read_file
 from delta_sync.trainer.checkpoint import CheckpointLayout
 
 transformers = pytest.importorskip("transformers")
@@ -486,11 +486,12 @@ def test_a_lora_model_with_fused_experts_publishes_the_merged_checkpoint(tmp_pat
     assert_same_checkpoint(expected, dict(receiver.weights))
 
 
-def test_a_checkpoint_buffer_the_bucket_lacks_is_refused_by_the_replica_not_served_wrong(tmp_path):
-    """DeepSeek-V3's (and GLM-4.5's) checkpoint holds each MoE router's score correction bias,
-    which transformers keeps as a buffer, not a parameter: the bucket does not publish it yet
-    (docs/models.md). A replica that expects the checkpoint's tensors, as a vLLM worker does,
-    must refuse the anchor, naming the tensor, rather than serve a model without it."""
+def test_deepseek_v3_publishes_its_router_bias_a_buffer_no_optimizer_steps(tmp_path):
+    """DeepSeek-V3's (and GLM-4.5's) checkpoint holds each MoE router's score correction
+    bias, which transformers keeps as a buffer: anchors carry it like every checkpoint
+    tensor, and a change made to it outside the optimizer (as auxiliary-loss-free load
+    balancing does) reaches the next delta. The replayed bucket is save_pretrained of the
+    trained model, and a transformers replica fed from it holds the same buffers."""
     config = transformers.DeepseekV3Config(
         hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2, first_k_dense_replace=1,
         n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, q_lora_rank=16,
@@ -499,16 +500,29 @@ def test_a_checkpoint_buffer_the_bucket_lacks_is_refused_by_the_replica_not_serv
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.DeepseekV3ForCausalLM(config).to(torch.bfloat16)
-    expected = saved(model, tmp_path / "saved")
-    assert "model.layers.1.mlp.gate.e_score_correction_bias" in expected
-    detector = BF16ChangeDetector(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    publisher = Publisher(tmp_path / "bucket", detector, background=False)
+    bias_name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    bias = model.get_buffer(bias_name)
+    bias.copy_(torch.randn(bias.shape))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    detector = BF16ChangeDetector(model, optimizer)
+    bucket = tmp_path / "bucket"
+    publisher = Publisher(bucket, detector, anchor_every=100, anchor_bytes_ratio=None, background=False)
     publisher.publish(1)
+    assert bias_name in read_file(bucket / publisher.reports[-1].anchor).header.names
+    bias.add_(0.25)  # outside any optimizer step
+    publisher.publish(2)
+    assert list(read_file(bucket / publisher.reports[-1].delta).changes) == [bias_name]
+    _train(model, optimizer, steps=1, seed=2)
+    publisher.publish(3)
     publisher.close()
     detector.close()
+    expected = saved(model, tmp_path / "saved")
+    assert bias_name in expected
     receiver = Receiver(load_weights=lambda weights: None, expected_shapes={n: t.shape for n, t in expected.items()})
-    with pytest.raises(
-        ApplyError, match=r"lacks parameter\(s\) \['model\.layers\.1\.mlp\.gate\.e_score_correction_bias'\]"
-    ):
-        receiver.update(tmp_path / "bucket")
-    assert receiver.version is None
+    receiver.update(bucket)
+    assert_same_checkpoint(expected, dict(receiver.weights))
+    torch.manual_seed(1)
+    replica = transformers.DeepseekV3ForCausalLM(config).to(torch.bfloat16)
+    Receiver(load_weights=module_weight_loader(replica)).update(bucket)
+    assert torch.equal(replica.get_buffer(bias_name).view(torch.int16), bias.view(torch.int16))
+    assert_same_checkpoint(expected, saved(replica, tmp_path / "replica"))

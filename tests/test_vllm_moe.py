@@ -1,5 +1,6 @@
-"""A real `vllm serve` (CPU) of a tiny MoE checkpoint (Qwen3-MoE, Qwen2-MoE, Mixtral) follows a bucket whose anchors and
-deltas name the checkpoint's per-expert tensors, while transformers trains the fused ones.
+"""A real `vllm serve` (CPU) of a tiny MoE checkpoint (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3) follows a bucket whose
+anchors and deltas name the checkpoint's per-expert tensors, while transformers trains the fused ones. DeepSeek-V3 adds
+latent attention (vLLM derives matrices from `kv_b_proj` after loading) and a router bias transformers keeps as a buffer.
 
 The check needs no tolerance and no agreement between vLLM's MoE kernels and transformers':
 the server that followed the bucket and a server started on `save_pretrained` of the trained
@@ -47,18 +48,47 @@ FAMILIES = {
         "MixtralForCausalLM",
         {"intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2},
     ),
+    # Multi-head latent attention (vLLM derives its absorbed matrices from `kv_b_proj` after
+    # loading), a router score correction bias (a buffer in transformers), a dense first
+    # layer and a shared expert. Sizes as vLLM's CPU MLA kernels take them (kv_lora_rank 512,
+    # rope dims 64).
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {
+            "intermediate_size": 256,
+            "moe_intermediate_size": 64,
+            "first_k_dense_replace": 1,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "q_lora_rank": None,
+            "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64,
+            "qk_nope_head_dim": 64,
+            "v_head_dim": 64,
+            "num_key_value_heads": 2,
+        },
+    ),
 }
+#: Server options a row needs: vLLM's CPU MLA kernels take bf16 weights only.
+SERVER_OPTIONS = {"deepseek_v3": {"dtype": "bfloat16"}}
 
 
 def build_checkpoint(family: str, path):
     """A tiny MoE checkpoint of `family` at `path` (what save_pretrained writes: one tensor
     per expert) and its tokenizer."""
     import transformers
+
     from tiny_model import build_tokenizer
 
     config_class, model_class, arguments = FAMILIES[family]
     torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**arguments, **_LAYERS, **_ATTENTION)
+    config = getattr(transformers, config_class)(**{**_LAYERS, **_ATTENTION, **arguments})
     getattr(transformers, model_class)(config).to(torch.bfloat16).save_pretrained(path)
     build_tokenizer(512).save_pretrained(path)
     return path
@@ -66,7 +96,7 @@ def build_checkpoint(family: str, path):
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def moe_model(request, tmp_path_factory):
-    return build_checkpoint(request.param, tmp_path_factory.mktemp(f"{request.param}-model"))
+    return request.param, build_checkpoint(request.param, tmp_path_factory.mktemp(f"{request.param}-model"))
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +105,8 @@ def qwen3_moe_model(tmp_path_factory):
 
 
 def test_a_server_following_per_expert_deltas_serves_the_saved_checkpoint(moe_model, bucket_root, tmp_path):
-    follow_then_compare(moe_model, bucket_root, tmp_path)
+    family, model = moe_model
+    follow_then_compare(model, bucket_root, tmp_path, **SERVER_OPTIONS.get(family, {}))
 
 
 @pytest.mark.timeout(2400)

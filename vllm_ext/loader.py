@@ -8,6 +8,7 @@ Where a checkpoint weight lives in the served model decides how it is written:
 | plain, otherwise (a tensor-parallel slice, a padded vocabulary) | the changed elements, through vLLM's checkpoint patch loader (`load_checkpoint_weight_patches`: checkpoint coordinates, the model's own `load_weights`, so slices and padding are vLLM's) |
 | none: `weight` is empty (the CPU backend prepacked the layer), or quantized | the whole layer, through vLLM's layerwise reload, with its fused siblings |
 | a fused MoE layer's experts (`w13_weight`, `w2_weight`: every expert stacked, in the kernel's layout) | the whole layer, through vLLM's layerwise reload, with every expert's tensors from the snapshot (the engine completes the group) and the kernel's own processing run again (the CPU backend's prepack) |
+| `kv_b_proj` of a multi-head latent attention layer (DeepSeek-V2/V3, Kimi K2), from which the attention derives its absorbed matrices after loading (and which the CPU kernels may then free) | the whole tensor (this worker's rows of it), then the attention layer's own post-load processing, which derives those matrices again (in place where it copies into them) |
 
 A direct write skips the model's `load_weights`, so it is used only for weights that
 load as themselves: a weight becomes directly written after a write through vLLM's own
@@ -30,7 +31,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -106,6 +107,7 @@ class ModelLoader:
         self._repacked: dict[str, list[torch.nn.Module]] = {}
         self._runtime_of: dict[str, str] = {}
         self._aliases: dict[str, str] = {}
+        self._latent = _latent_attention_layers(model, self.shapes)
         #: Whether the last load ran to its end: after a failed load, the receiver's reload
         #: of the version served puts it back to True, and only then is the model whole.
         self.intact = True
@@ -118,16 +120,24 @@ class ModelLoader:
         self.intact = False
         self.writable()
         weights = self._canonical(weights)
+        self._load_latent([(name, tensor) for name, tensor in weights if name in self._latent])
+        weights = [(name, tensor) for name, tensor in weights if name not in self._latent]
+        if not weights:
+            self.intact = True
+            return
         self._check_reload_headroom(weights)
         # Both signatures: vLLM 0.34 added keyword-only options to these, with defaults that
         # keep 0.32's behaviour; its finalize also runs every module's post-load hook.
         initialize_layerwise_reload(self.model)
-        try:
-            with _experts_processed_as_at_load(self.model):
-                loaded = self.model.load_weights(iter(weights))
-        finally:
-            # Always leave the model runnable: a half-finished reload crashes the next request.
-            finalize_layerwise_reload(self.model, self.model_config)
+        # Latent attention was processed when its projection was loaded (`_load_latent`);
+        # vLLM's finalize would process every attention layer again, from a freed tensor.
+        with _latent_attention_kept(self._latent.values()):
+            try:
+                with _experts_processed_as_at_load(self.model):
+                    loaded = self.model.load_weights(iter(weights))
+            finally:
+                # Always leave the model runnable: a half-finished reload crashes the next request.
+                finalize_layerwise_reload(self.model, self.model_config)
         self._check_consumed([name for name, _ in weights], loaded)
         self.intact = True
 
@@ -137,6 +147,8 @@ class ModelLoader:
         writable = self.writable()
         renamed = self._canonical_names([patch.name for patch in patches])
         patches = [WeightPatch(renamed[p.name], p.tensor, p.positions) for p in patches if p.name in renamed]
+        self._load_latent([(p.name, p.tensor) for p in patches if p.name in self._latent])
+        patches = [p for p in patches if p.name not in self._latent]
         direct: list[WeightPatch] = []
         sparse: dict[str, tuple[WeightPatch, torch.Tensor]] = {}
         rewritten: list[WeightPatch] = []
@@ -186,7 +198,35 @@ class ModelLoader:
         )
         self.intact = True
 
-    # -- the three ways in ---------------------------------------------------------------------
+    # -- the ways in ---------------------------------------------------------------------------
+
+    def _load_latent(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Load latent attention's `kv_b_proj` tensors whole and let each attention layer
+        derive its absorbed matrices from them again, as it did at load.
+
+        An in-place write would leave those matrices as they were, and vLLM's layerwise
+        reload cannot reload the tensor once the CPU kernel has freed it (it copies the new
+        tensor into the freed, empty one)."""
+        for name, tensor in weights:
+            layer = self._latent[name]
+            linear = layer.kv_b_proj
+            # This worker's rows: the projection is column-parallel (its outputs are split).
+            rows = linear.output_size_per_partition
+            value = tensor.narrow(0, linear.tp_rank * rows, rows)
+            weight = linear.weight
+            if tuple(weight.shape) == tuple(value.shape):
+                with torch.no_grad():
+                    weight.copy_(value)  # in place: whatever captured its address keeps it
+            else:
+                linear.weight = torch.nn.Parameter(
+                    value.to(device=weight.device, dtype=self.model_config.dtype, copy=True), requires_grad=False
+                )
+            layer.process_weights_after_loading(self.model_config.dtype)
+        if weights:
+            logger.info(
+                "delta-sync: loaded %d latent attention projection(s) whole and derived the attention's matrices again",
+                len(weights),
+            )
 
     def _stage(
         self, changes: dict[str, tuple[WeightPatch, torch.Tensor]]
@@ -470,6 +510,48 @@ def _is_fused_experts(module: torch.nn.Module) -> bool:
     tensors stack every expert, in the layout the kernel computes with, so a changed expert
     reloads the layer, all experts together."""
     return hasattr(getattr(module, "quant_method", None), "moe_kernel")
+
+
+def _latent_attention_layers(model: torch.nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+    """Checkpoint name of each multi-head latent attention layer's `kv_b_proj` weight -> the
+    layer (vLLM's `MLAAttention`: it holds the projection and derives matrices from it in
+    `process_weights_after_loading`). Only unquantized projections: a quantized one is the
+    layerwise reload's."""
+    paths: dict[int, list[str]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(module), []).append(path)
+    layers = {}
+    for module in model.modules():
+        linear = getattr(module, "kv_b_proj", None)
+        if linear is None or getattr(module, "impl", None) is None or getattr(linear, "quant_config", None) is not None:
+            continue
+        for path in paths.get(id(linear), []):
+            if not shapes or f"{path}.weight" in shapes:
+                layers[f"{path}.weight"] = module
+    return layers
+
+
+@contextmanager
+def _latent_attention_kept(layers: Iterable[Any]) -> Iterator[None]:
+    """Keep latent attention layers as they are through a layerwise reload of other layers.
+
+    vLLM's reload finalizes by processing every attention layer again. A latent attention
+    layer derives its matrices from `kv_b_proj`, which the CPU kernels free once they are
+    derived: processing it again would fail (or, where the tensor is kept, redo work for a
+    projection that did not change). A changed projection is processed where it is loaded.
+    """
+    kept = list(dict.fromkeys(layers))
+    for layer in kept:
+        layer.process_weights_after_loading = _unchanged
+    try:
+        yield
+    finally:
+        for layer in kept:
+            del layer.process_weights_after_loading
+
+
+def _unchanged(act_dtype: torch.dtype) -> None:
+    """A latent attention layer's processing while it is kept: nothing to derive."""
 
 
 @contextmanager

@@ -92,7 +92,7 @@ class ModuleWeightLoader:
     """
 
     def __init__(self, module: nn.Module) -> None:
-        self._params = dict(module.named_parameters())
+        self._params = _weights_of(module)
         self._layout = _checkpoint_layout(module)
         self.expected_shapes = (
             {name: tuple(p.shape) for name, p in self._params.items()}
@@ -133,6 +133,14 @@ class ModuleWeightLoader:
                     param.view(-1)[positions] = values.to(param.device, param.dtype)
 
 
+def _weights_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    """What a module's checkpoint holds, by name: its parameters and persistent buffers
+    (those a trainer publishes too, see `delta_sync.trainer.checkpoint.persistent_buffers`)."""
+    from ..trainer.checkpoint import persistent_buffers
+
+    return {**dict(module.named_parameters()), **persistent_buffers(module)}
+
+
 def _checkpoint_layout(module: nn.Module):
     """The checkpoint layout of a transformers model whose checkpoint is not its parameters
     as they are, else None (with no transformers imported, nothing can be a transformers model)."""
@@ -166,4 +174,4 @@ def expected_shapes_of(module: nn.Module) -> dict[str, tuple[int, ...]]:
     layout = _checkpoint_layout(module)
     if layout is not None:
         return dict(layout.shapes)
-    return {name: tuple(p.shape) for name, p in module.named_parameters()}
+    return {name: tuple(t.shape) for name, t in _weights_of(module).items()}

@@ -16,7 +16,7 @@ from ..errors import UnsupportedLayoutError
 from . import trl_vllm
 from .adapter import AdapterPublisher
 from .checkpoint import CheckpointLayout, check_checkpoint_names
-from .detector import BF16ChangeDetector, checkpoint_parameters
+from .detector import BF16ChangeDetector, checkpoint_tensors
 from .merged import merged_weights
 from .options import PeftPublish, PublisherOptions
 from .publisher import Publisher, PublishReport
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DeltaSyncCallback", "DeltaSyncConfig"]
 
-logger = logging.getLogger("delta_sync")
+logger = logging.getLogger(__name__)
 
 #: The `ReplicaOptions` field each `vllm_*` field of `DeltaSyncConfig` sets.
 _REPLICA_FIELDS = {
@@ -430,7 +430,7 @@ def published_layout(model: nn.Module) -> tuple[ModelLayout, dict[str, nn.Parame
     layout on to their detector.
     """
     merged = merged_weights(model)
-    params = checkpoint_parameters(model, merged)
+    params = checkpoint_tensors(model, merged)
     root = model if merged is None else merged.root
     check_checkpoint_names(params, root)
     layout = describe_model(params.items(), model)

@@ -78,6 +78,31 @@ def pretrained_model(model: nn.Module) -> tuple[str, nn.Module] | None:
     return None
 
 
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers `model`'s checkpoint holds, by checkpoint name: its persistent ones (as
+    `state_dict` has them), but those transformers does not save (`_keys_to_ignore_on_save`).
+
+    They are weights a replica serves that no optimizer steps: DeepSeek-V3's and GLM-4.5's
+    MoE routers keep their score correction bias (`mlp.gate.e_score_correction_bias`) as
+    one, and vLLM loads it from the checkpoint like any weight.
+    """
+    ignored = set()
+    found = pretrained_model(model)
+    if found is not None:
+        path, pretrained = found
+        prefix = f"{path}." if path else ""
+        ignored = {prefix + key for key in getattr(pretrained, "_keys_to_ignore_on_save", None) or ()}
+    buffers: dict[str, torch.Tensor] = {}
+    for path, module in model.named_modules():
+        for key, buffer in module._buffers.items():
+            if buffer is None or key in module._non_persistent_buffers_set:
+                continue
+            name = canonical_name(f"{path}.{key}" if path else key)
+            if name not in ignored:
+                buffers.setdefault(name, buffer)
+    return buffers
+
+
 def check_checkpoint_names(names: Iterable[str], model: nn.Module) -> None:
     """Refuse a transformers model whose parameter names are not its model class's own.
 
@@ -112,7 +137,7 @@ def check_checkpoint_names(names: Iterable[str], model: nn.Module) -> None:
         return
     # The checkpoint's names are the transformers model's own: whatever holds it may add
     # only the wrapper segments `canonical_name` drops (`module.`, `_orig_mod.`, ...).
-    expected = {name for name, _ in fresh.named_parameters()}
+    expected = {name for name, _ in fresh.named_parameters()} | set(persistent_buffers(fresh))
     unknown = sorted(name for name in names if name not in expected)
     if unknown:
         example = sorted(expected)[0] if expected else "(none)"
@@ -380,7 +405,7 @@ class CheckpointLayout:
                 transformers `PreTrainedModel`, or under a transformers release without
                 weight conversions (4.x), has the identity layout.
             shapes: Published (run-time) name -> full shape of every parameter; default:
-                the model's parameters, wrapper segments dropped. Names are relative to the
+                the model's parameters and persistent buffers, wrapper segments dropped. Names are relative to the
                 outermost `PreTrainedModel`.
 
         Raises:
@@ -392,6 +417,8 @@ class CheckpointLayout:
             shapes = {}
             for name, param in model.named_parameters():
                 shapes.setdefault(canonical_name(name), tuple(param.shape))
+            for name, buffer in persistent_buffers(model).items():
+                shapes.setdefault(name, tuple(buffer.shape))
         shapes = {name: tuple(int(d) for d in shape) for name, shape in shapes.items()}
         found = pretrained_model(model)
         if found is None:

@@ -19,7 +19,7 @@ from ..sparse import extract_changes_batched_, extract_changes_many_
 from ..staging import HostBuffers
 from ..streams import caller_streams, on_streams
 from ..version import sparsity
-from .checkpoint import CheckpointLayout, canonical_name, check_checkpoint_names
+from .checkpoint import CheckpointLayout, canonical_name, check_checkpoint_names, persistent_buffers
 from .merged import MergedWeights, merged_weights
 from .mirror import HostMirror
 from .sharding import ModelLayout, describe_model, local_tensor
@@ -49,22 +49,25 @@ def inner_optimizer(optimizer: object) -> torch.optim.Optimizer | None:
     return optimizers[-1]
 
 
-def checkpoint_parameters(model: nn.Module, merged: MergedWeights | None) -> dict[str, nn.Parameter]:
-    """The parameters a detector of `model` tracks, by checkpoint name: `model`'s own, wrapper
-    segments dropped from their names, or, for a PEFT model (`merged`, from
-    [`merged_weights`]), its served weights.
+def checkpoint_tensors(model: nn.Module, merged: MergedWeights | None) -> dict[str, torch.Tensor]:
+    """The tensors a detector of `model` tracks, by checkpoint name: `model`'s parameters and
+    the buffers its checkpoint holds ([`persistent_buffers`]), wrapper segments dropped from
+    their names; or, for a PEFT model (`merged`, from [`merged_weights`]), its served weights.
 
     Raises:
-        ValueError: Two parameters map to one checkpoint name.
+        ValueError: Two tensors map to one checkpoint name.
     """
     if merged is not None:
         return dict(merged.parameters)
-    params: dict[str, nn.Parameter] = {}
+    tensors: dict[str, torch.Tensor] = {}
     for raw_name, param in model.named_parameters():
         name = canonical_name(raw_name)
-        if params.setdefault(name, param) is not param:
+        if tensors.setdefault(name, param) is not param:
             raise ValueError(f"two parameters map to the checkpoint name {name!r}")
-    return params
+    for name, buffer in persistent_buffers(model).items():
+        if tensors.setdefault(name, buffer) is not buffer:
+            raise ValueError(f"a buffer and a parameter map to the checkpoint name {name!r}")
+    return tensors
 
 
 #: What extracting one parameter's changes gives: positions, new values, old values.
@@ -203,7 +206,7 @@ class BF16ChangeDetector:
         self.model = model
         self.optimizer = inner_optimizer(optimizer)
         self._snapshot_device = None if snapshot_device is None else torch.device(snapshot_device)
-        self._params: dict[str, nn.Parameter] = {}
+        self._params: dict[str, torch.Tensor] = {}
         self._names: dict[int, str] = {}
         #: The served view of a PEFT model (None for any other model).
         self.merged: MergedWeights | None = merged_weights(model)
@@ -255,7 +258,9 @@ class BF16ChangeDetector:
     # -- names -------------------------------------------------------------------------
 
     def _index_names(self, *, strict: bool) -> None:
-        self._params = checkpoint_parameters(self.model, self.merged)
+        self._params = checkpoint_tensors(self.model, self.merged)
+        # Buffers change outside optimizer steps, if at all: compared at every `changes()`.
+        self._buffer_names = {name for name, tensor in self._params.items() if not isinstance(tensor, nn.Parameter)}
         if self.merged is not None:
             # LoRA parameters map to the served weight they change; base weights to theirs.
             self._names = dict(self.merged.owners)
@@ -376,7 +381,7 @@ class BF16ChangeDetector:
             int64 for parameters of 2^31 or more elements), new values and old values.
         """
         with self.snapshot_lock:
-            names = sorted(self._touched)
+            names = sorted(self._touched | (self._buffer_names & self._snapshot.keys()))
             found, declined = {}, {}
             # The pool threads queue their device work on the caller's streams: a loop that
             # trains under `torch.cuda.stream(s)` has its weights written on `s`.
