@@ -92,11 +92,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))  # the tiny model builder the tests use
 
-from tiny_model import build_tokenizer, tiny_qwen3_config  # noqa: E402
-
 from delta_sync import BF16ChangeDetector, Publisher  # noqa: E402
 from delta_sync.control import Route  # noqa: E402
 from delta_sync.control.client import Replica  # noqa: E402
+
+from tiny_model import build_tokenizer, tiny_qwen3_config  # noqa: E402
 
 PROMPT = [7, 42, 99, 123, 5, 300, 17, 256, 64, 8, 77, 401]
 #: The design's targets (see the module docstring).

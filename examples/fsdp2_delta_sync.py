@@ -32,11 +32,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 import torch.distributed as dist
-from tiny_model import build_tiny_model
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from delta_sync import DeltaSyncCallback, Receiver
 from delta_sync.layout import step_versions
+
+from tiny_model import build_tiny_model
 
 PROMPTS = [f"{subject} {verb} the" for subject in ("the cat", "a dog", "one fox") for verb in ("sat on", "saw", "is")]
 

@@ -47,7 +47,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 from datasets import Dataset
 from safetensors.torch import load_file
-from tiny_model import build_tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
@@ -56,6 +55,8 @@ from delta_sync.integrity import model_checksum, tensor_checksum
 from delta_sync.layout import step_versions
 from delta_sync.signing import SigningKey
 from delta_sync.trainer.checkpoint import CheckpointLayout, pretrained_model
+
+from tiny_model import build_tiny_model
 
 PROMPTS = [
     f"{subject} {verb} the"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from two_tower import PublishedRun
 
 

@@ -50,7 +50,6 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
-from two_tower import TwoTower, bf16_state, train_step
 
 from delta_sync.compact import decode_changes, encode_changes
 from delta_sync.errors import DeltaSyncError
@@ -62,6 +61,8 @@ from delta_sync.replica.adapter import _check_adapter_files
 from delta_sync.replica.pointer import PointerLedger
 from delta_sync.signing import SIGNATURE_SUFFIX, FileSignature, SigningKey, file_sha256
 from delta_sync.version import VersionId
+
+from two_tower import TwoTower, bf16_state, train_step
 
 CASES = Path(__file__).with_name("fuzz_cases")
 SCALE = float(os.environ.get("DELTA_SYNC_FUZZ_SCALE", "1"))

@@ -16,12 +16,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from two_tower import TwoTower
 
 from delta_sync import BF16ChangeDetector, DeltaSyncCallback, verify_bucket
 from delta_sync.errors import UnsupportedLayoutError
 
 from helpers import free_port
+from two_tower import TwoTower
 
 SCRIPTS = Path(__file__).parent / "distributed"
 

@@ -17,7 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from two_tower import PublishedRun, replica_receiver
 
 from delta_sync import Receiver, open_bucket
 from delta_sync.errors import (
@@ -31,6 +30,7 @@ from delta_sync.layout import LATEST, anchor_path, delta_path
 from delta_sync.replica.verify import verify_bucket
 
 from helpers import bf16_bits, free_port
+from two_tower import PublishedRun, replica_receiver
 
 #: Generous upper bound for an operation that exhausts the tests' 4-second retry budget.
 GIVE_UP_SECONDS = 30

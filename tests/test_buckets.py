@@ -14,7 +14,6 @@ import threading
 
 import pytest
 import torch
-from two_tower import PublishedRun, TwoTower, bf16_state, replica_receiver, train_step
 
 from delta_sync import BF16ChangeDetector, Publisher, open_bucket
 from delta_sync.errors import (
@@ -30,6 +29,7 @@ from delta_sync.storage.cache import DownloadCache
 
 import helpers
 from helpers import bf16_bits
+from two_tower import PublishedRun, TwoTower, bf16_state, replica_receiver, train_step
 
 
 def cli(target, *args: str) -> subprocess.CompletedProcess:

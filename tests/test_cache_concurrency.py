@@ -7,12 +7,13 @@ import re
 import traceback
 
 import pytest
-from two_tower import PublishedRun
 
 from delta_sync.errors import BucketFileNotFoundError
 from delta_sync.layout import anchor_path, delta_path
 from delta_sync.storage import open_bucket
 from delta_sync.storage.cache import DownloadCache
+
+from two_tower import PublishedRun
 
 PROCESSES = 3
 ROUNDS = 20

@@ -8,13 +8,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 from transformers import TrainerControl, TrainerState, TrainingArguments
-from two_tower import TwoTower, train_step
 
 from delta_sync import DeltaSyncCallback, DeltaSyncConfig
 from delta_sync.changes import Encoding
 from delta_sync.control.client import PauseMode, ReplicaOptions
 from delta_sync.trainer import trl_vllm
 from delta_sync.trainer.publisher import PublisherOptions
+
+from two_tower import TwoTower, train_step
 
 VLLM_SERVER_ARGS = SimpleNamespace(use_vllm=True, vllm_mode="server")
 

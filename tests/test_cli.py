@@ -7,13 +7,13 @@ import re
 import shutil
 
 import pytest
-from two_tower import PublishedRun, bf16_state, replica_receiver
 
 from delta_sync.errors import FormatError
 from delta_sync.layout import anchor_path, delta_path
 
 from helpers import assert_bit_exact, cli
 from overflowing_streams import PAST_SLOTS, change_most_of, overflowing_copies
+from two_tower import PublishedRun, bf16_state, replica_receiver
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 from rans_reference import varint
-from two_tower import TwoTower, train_step
 
 from delta_sync import BF16ChangeDetector, compact
 from delta_sync.bitmasks import FAST_BIT_GATHER
@@ -19,6 +18,7 @@ from delta_sync.format import SparseChange, index_dtype
 from delta_sync.parallel import THREADS_ENV
 
 from helpers import raw_bits
+from two_tower import TwoTower, train_step
 
 # The first test in a process may compile the codec (about a minute; more on a busy machine).
 pytestmark = pytest.mark.timeout(300)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from two_tower import TwoTower, bf16_state, train_step
 
 from delta_sync import BF16ChangeDetector, Publisher, Receiver, read_file, verify_bucket
 from delta_sync.errors import FormatError
 from delta_sync.layout import anchor_path, delta_path
 
 from helpers import bf16_bits
+from two_tower import TwoTower, bf16_state, train_step
 
 
 def publish(root, encoding: str, versions: int = 5):

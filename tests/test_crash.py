@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from two_tower import PublishedRun, TwoTower
 
 from delta_sync import Receiver, expected_shapes_of, module_weight_loader, verify_bucket
 from delta_sync.errors import DeltaSyncError
@@ -24,6 +23,7 @@ from delta_sync.integrity import model_checksum, tensor_checksum
 from delta_sync.replica.shared import NodeStore
 
 from helpers import raw_bits
+from two_tower import PublishedRun, TwoTower
 
 pytestmark = pytest.mark.slow
 

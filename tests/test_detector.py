@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from two_tower import TwoTower, bf16_state, train_step
 
 from delta_sync import BF16ChangeDetector
 from delta_sync.trainer.detector import canonical_name
 
 from helpers import bf16_bits
+from two_tower import TwoTower, bf16_state, train_step
 
 
 def expected_changes(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -18,9 +18,7 @@ import weakref
 import peft
 import pytest
 import torch
-from tiny_model import build_tiny_model
 from torch.utils._pytree import tree_flatten, tree_map
-from two_tower import TwoTower, train_step
 
 import delta_sync.sparse as sparse
 import delta_sync.trainer.detector as detector_module
@@ -28,6 +26,8 @@ from delta_sync import BF16ChangeDetector
 from delta_sync.staging import HostBuffers
 
 from helpers import REPO
+from tiny_model import build_tiny_model
+from two_tower import TwoTower, train_step
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from allocations import CountAllocations  # noqa: E402

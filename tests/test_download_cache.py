@@ -5,11 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from two_tower import PublishedRun
-
 from delta_sync import Receiver
 from delta_sync.layout import anchor_path, parse_step_path
 from delta_sync.storage.cache import DownloadCache
+
+from two_tower import PublishedRun
 
 FETCH = """
 import sys

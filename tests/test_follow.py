@@ -14,7 +14,6 @@ import sys
 import threading
 
 import pytest
-from two_tower import PublishedRun, bf16_state, resume_in_place
 
 from delta_sync.control import Route
 from delta_sync.errors import BucketFileNotFoundError, BucketUnavailableError
@@ -25,6 +24,7 @@ from delta_sync.trainer.replicas import ReplicaSet
 
 from fake_vllm import FakeVLLM
 from helpers import WAIT_SECONDS, assert_bit_exact, cli, wait_for
+from two_tower import PublishedRun, bf16_state, resume_in_place
 
 
 def record_applied(server: FakeVLLM) -> list[str]:

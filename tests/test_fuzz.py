@@ -16,7 +16,6 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from two_tower import PublishedRun
 
 from delta_sync import Receiver
 from delta_sync.errors import DeltaSyncError
@@ -24,6 +23,7 @@ from delta_sync.layout import LATEST, anchor_path, delta_path
 from delta_sync.signing import SigningKey
 
 from helpers import bf16_bits, held_bf16_bits
+from two_tower import PublishedRun
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -191,10 +191,10 @@ def test_hostile_latest_json(original, bucket, pointer):
 
 
 def test_with_a_key_every_flip_is_a_signature_error(tmp_path):
-    from two_tower import TwoTower, train_step
-
     from delta_sync import BF16ChangeDetector, Publisher
     from delta_sync.errors import SignatureError
+
+    from two_tower import TwoTower, train_step
 
     key = SigningKey.generate()
     torch.manual_seed(0)

@@ -13,10 +13,11 @@ import weakref
 import pytest
 import torch
 from fake_device import fake_device, move_module
-from two_tower import TwoTower, train_step
 
 from delta_sync import BF16ChangeDetector, Publisher
 from delta_sync.replica.receiver import WeightPatch, module_weight_loader
+
+from two_tower import TwoTower, train_step
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
 

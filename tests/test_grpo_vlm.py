@@ -45,8 +45,9 @@ class ImageProcessor(transformers.Qwen2_5_VLProcessor):
 
 
 def build_processor() -> ImageProcessor:
-    from tiny_model import build_tokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from tiny_model import build_tokenizer
 
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", *VISION_TOKENS]})

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 import torch
 import xxhash
-from two_tower import TwoTower, train_step
 
 from delta_sync import BF16ChangeDetector, Publisher
 from delta_sync.integrity import apply_checksums, payload_digest, tensor_checksum, updated_checksum, updated_checksums
 from delta_sync.sparse import scatter_, scatter_many_
+
+from two_tower import TwoTower, train_step
 
 _MASK = (1 << 64) - 1
 

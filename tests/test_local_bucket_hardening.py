@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from two_tower import PublishedRun, TwoTower
 
 from delta_sync import Receiver, expected_shapes_of, module_weight_loader
 from delta_sync.cli import main
@@ -28,6 +27,7 @@ from delta_sync.storage import LocalBucket
 from delta_sync.storage.cache import DownloadCache
 
 import helpers
+from two_tower import PublishedRun, TwoTower
 
 #: The most memory a CLI run on hostile input may take (a read without limit would not fit).
 MEMORY_LIMIT = 4 << 30

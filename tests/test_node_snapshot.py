@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from two_tower import TwoTower, bf16_state
 
 from delta_sync import Receiver, expected_shapes_of, module_weight_loader
 from delta_sync.errors import SnapshotMovedError
@@ -25,6 +24,7 @@ from delta_sync.replica.shared import NodeStore
 from delta_sync.replica.snapshot import NodeSnapshot
 
 from helpers import assert_bit_exact
+from two_tower import TwoTower, bf16_state
 
 
 def worker(snapshot_dir: Path, *, history: int = 8, **kwargs) -> tuple[Receiver, TwoTower]:

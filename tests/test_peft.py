@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import peft
 import pytest
 import torch
-from tiny_model import build_tiny_model
 from torch import nn
 from transformers import TrainerCallback
 
@@ -19,6 +18,7 @@ from delta_sync import BF16ChangeDetector, DeltaSyncCallback, Receiver, expected
 from delta_sync.errors import UnservableModelError
 from delta_sync.integrity import model_checksum, tensor_checksum
 
+from tiny_model import build_tiny_model
 from trainers import grpo_trainer
 
 LORA = {"r": 4, "target_modules": ["q_proj", "v_proj"]}

@@ -13,7 +13,6 @@ import pytest
 import torch
 from peft import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
-from tiny_model import build_tiny_model
 from torch import nn
 from transformers import TrainerCallback
 
@@ -31,6 +30,7 @@ from delta_sync.trainer.adapter import AdapterPublisher, PeftPublish
 from delta_sync.trainer.publisher import PublisherOptions
 
 from helpers import raw_bits
+from tiny_model import build_tiny_model
 from trainers import grpo_trainer
 
 LORA = {"r": 4, "target_modules": ["q_proj", "v_proj"]}

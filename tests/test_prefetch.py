@@ -9,7 +9,6 @@ import sys
 import threading
 
 import pytest
-from two_tower import TwoTower, bf16_state, replica_receiver
 
 from delta_sync import Receiver, expected_shapes_of, module_weight_loader
 from delta_sync.layout import LATEST, delta_path
@@ -17,6 +16,7 @@ from delta_sync.replica.prefetch import Prefetcher
 from delta_sync.replica.shared import NodeStore
 
 from helpers import assert_bit_exact, wait_for
+from two_tower import TwoTower, bf16_state, replica_receiver
 
 
 def node_worker(snapshot_dir) -> tuple[Receiver, TwoTower]:

@@ -9,7 +9,6 @@ import threading
 import pytest
 import torch
 from safetensors.torch import load_file
-from two_tower import PublishedRun, TwoTower, bf16_state, replica_receiver, train_step
 
 from delta_sync import BF16ChangeDetector, LocalBucket, Publisher, read_file
 from delta_sync.changes import Encoding
@@ -20,6 +19,7 @@ from delta_sync.trainer.publisher import PublisherOptions
 from delta_sync.trainer.schedule import AnchorSchedule, Plan
 
 from helpers import WAIT_SECONDS, assert_bit_exact, wait_for
+from two_tower import PublishedRun, TwoTower, bf16_state, replica_receiver, train_step
 
 
 def listing(root) -> tuple[list[int], list[int]]:

@@ -10,12 +10,13 @@ import pytest
 import rans_reference as reference
 import torch
 from test_compact import adam_like_change, exponent_rate_change, random_change, random_previous
-from two_tower import TwoTower, train_step
 
 from delta_sync import BF16ChangeDetector, rans
 from delta_sync.compact import SUFFIX, _class_table, _gap_table, _group_tables, decode_changes, encode_changes
 from delta_sync.errors import FormatError
 from delta_sync.format import SparseChange, index_dtype
+
+from two_tower import TwoTower, train_step
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -9,7 +9,6 @@ import shutil
 
 import pytest
 import torch
-from two_tower import PublishedRun, bf16_state, replica_receiver, resume_in_place
 
 from delta_sync import read_file
 from delta_sync.errors import (
@@ -29,6 +28,7 @@ from delta_sync.signing import SigningKey
 from delta_sync.storage.cache import DownloadCache
 
 from helpers import assert_bit_exact
+from two_tower import PublishedRun, bf16_state, replica_receiver, resume_in_place
 
 
 def test_catch_up_then_follow_file_by_file(run):

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from two_tower import bf16_state, replica_receiver
 
 from delta_sync import open_bucket, read_file
 from delta_sync.errors import ApplyError, BaseVersionError, FormatError
 from delta_sync.layout import anchor_path, delta_path
 
 from helpers import assert_bit_exact
+from two_tower import bf16_state, replica_receiver
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ import shutil
 
 import pytest
 import torch
-from two_tower import TwoTower, bf16_state, train_step
 
 from delta_sync import BF16ChangeDetector, Publisher, Receiver, expected_shapes_of, module_weight_loader
 from delta_sync.errors import OversizedFileError, PublishError, ReplayError, SignatureError
@@ -23,6 +22,7 @@ from delta_sync.storage import LocalBucket
 from delta_sync.storage.cache import DownloadCache
 
 from helpers import assert_bit_exact, bf16_bits, held_bf16_bits, wait_for
+from two_tower import TwoTower, bf16_state, train_step
 
 KEY = SigningKey.generate()
 

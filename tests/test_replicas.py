@@ -12,7 +12,6 @@ import time
 
 import httpx
 import pytest
-from two_tower import PublishedRun
 
 from delta_sync.control import STATUS_METHOD, Route
 from delta_sync.control.client import Replica
@@ -21,6 +20,7 @@ from delta_sync.trainer.replicas import ReplicaSet
 
 from fake_vllm import FakeVLLM
 from helpers import WAIT_SECONDS, assert_bit_exact, wait_for
+from two_tower import PublishedRun
 
 #: One update, in order: START, UPDATE, then FINISH with generation paused, then the status.
 UPDATE_ROUTES = [

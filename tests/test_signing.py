@@ -8,7 +8,6 @@ import re
 
 import pytest
 import torch
-from two_tower import TwoTower, bf16_state, train_step
 
 from delta_sync import BF16ChangeDetector, Publisher, Receiver, read_file, verify_bucket
 from delta_sync.errors import ApplyError, FormatError, SignatureError
@@ -18,6 +17,7 @@ from delta_sync.layout import LATEST, anchor_path, delta_path
 from delta_sync.signing import SigningKey, VerifyKey
 
 from helpers import bf16_bits, held_bf16_bits
+from two_tower import TwoTower, bf16_state, train_step
 
 
 @pytest.fixture(scope="module")

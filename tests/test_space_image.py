@@ -177,9 +177,9 @@ def readable_by_the_space_user(path: Path) -> Path:
 
 
 def test_the_space_image_serves_follows_and_stops(space_image, tmp_path):
-    from tiny_model import build_tiny_model
-
     from delta_sync.control.client import Replica
+
+    from tiny_model import build_tiny_model
 
     model_dir = tmp_path / "model"
     build_tiny_model(model_dir, lm_head_scale=8.0)

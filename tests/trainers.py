@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 
 import torch
-from tiny_model import build_tiny_model
 from transformers import TrainerCallback
 
 from delta_sync import DeltaSyncCallback, Receiver, expected_shapes_of, module_weight_loader
+
+from tiny_model import build_tiny_model
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -60,7 +60,7 @@ from .writer import PublishReport
 
 __all__ = ["AdapterJob", "AdapterPublisher", "PeftPublish", "adapter_state", "peft_model_of"]
 
-logger = logging.getLogger("delta_sync")
+logger = logging.getLogger(__name__)
 
 
 _ADAPTER_OPTIONS = (

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = ["BackgroundWriter", "Job", "JobStore"]
 
-logger = logging.getLogger("delta_sync")
+logger = logging.getLogger(__name__)
 
 
 class Job(Protocol):

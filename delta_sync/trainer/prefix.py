@@ -31,7 +31,7 @@ from ..version import VersionId
 
 __all__ = ["PointerWriter", "claim_prefix", "resume_at"]
 
-logger = logging.getLogger("delta_sync")
+logger = logging.getLogger(__name__)
 
 
 class PointerWriter:

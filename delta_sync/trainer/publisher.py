@@ -46,7 +46,7 @@ from .writer import PublishReport, VersionJob, VersionWriter
 
 __all__ = ["PublishReport", "Publisher", "PublisherOptions"]
 
-logger = logging.getLogger("delta_sync")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ __all__ = [
     "VersionWriter",
 ]
 
-logger = logging.getLogger("delta_sync")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
