@@ -54,7 +54,7 @@ from delta_sync import DeltaSyncCallback, Receiver, expected_shapes_of, module_w
 from delta_sync.integrity import model_checksum, tensor_checksum
 from delta_sync.layout import step_versions
 from delta_sync.signing import SigningKey
-from delta_sync.trainer.checkpoint import CheckpointLayout, pretrained_model
+from delta_sync.trainer.checkpoint import CheckpointLayout, persistent_buffers, pretrained_model
 
 from tiny_model import build_tiny_model
 
@@ -72,8 +72,14 @@ def reward_cats(completions: list[str], **kwargs) -> list[float]:
 
 def host_bf16(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The trainer's weights as published (bf16), on the host: the replica and the bucket's
-    tensors are there, and `torch.equal` refuses tensors on two devices (a trainer on a GPU)."""
-    return {name: p.detach().to("cpu", torch.bfloat16) for name, p in model.named_parameters()}
+    tensors are there, and `torch.equal` refuses tensors on two devices (a trainer on a GPU).
+    Its parameters and the buffers its checkpoint holds (DeepSeek-V3's router bias)."""
+    return {name: t.detach().to("cpu", torch.bfloat16) for name, t in weights_of(model).items()}
+
+
+def weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A model's parameters and the buffers its checkpoint holds, by name."""
+    return {**dict(model.named_parameters()), **persistent_buffers(model)}
 
 
 class ReplicaCheck(TrainerCallback):
@@ -116,8 +122,11 @@ class ReplicaCheck(TrainerCallback):
             torch.equal(bits.view(torch.int16), self.receiver.weights[name].view(torch.int16))
             for name, bits in trainer_bits.items()
         )
+        # As bf16: a replica keeps some tensors in float32 (DeepSeek-V3's router), which then
+        # hold the bf16 values loaded into them exactly.
+        replica = host_bf16(self.replica)
         exact = exact and all(
-            torch.equal(bits.view(torch.int16), self.replica.get_parameter(name).detach().cpu().view(torch.int16))
+            torch.equal(bits.view(torch.int16), replica[name].view(torch.int16))
             for name, bits in trainer_params.items()
         )
         self.checked.append((version, exact))
@@ -149,9 +158,6 @@ class ReplicaCheck(TrainerCallback):
             saved = {}
             for path in sorted(Path(directory).glob("*.safetensors")):
                 saved.update(load_file(path))
-        # Persistent buffers are saved too, but they are no weights: the bucket does not carry them.
-        for name, _ in pretrained.named_buffers():
-            saved.pop(name, None)
         bucket = self.receiver.weights
         if set(saved) != set(bucket):
             only_bucket, only_saved = sorted(set(bucket) - set(saved)), sorted(set(saved) - set(bucket))
@@ -320,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
 
     reports = sync.reports
     files = sync.publisher.bucket.list()
-    full_bytes = 2 * sum(p.numel() for p in model.parameters())
+    full_bytes = 2 * sum(tensor.numel() for tensor in weights_of(model).values())
     deltas = [r for r in reports if r.delta]
     delta_bytes = sum(r.delta_bytes for r in deltas) / max(1, len(deltas))
     exact = bool(check.checked) and all(ok for _, ok in check.checked)

@@ -75,7 +75,7 @@ FAMILIES = {
         },
     ),
 }
-#: Server options a row needs: vLLM's CPU MLA kernels take bf16 weights only.
+#: Server options a row needs: vLLM's CPU MLA kernel takes bf16 weights only.
 SERVER_OPTIONS = {"deepseek_v3": {"dtype": "bfloat16"}}
 
 
@@ -153,16 +153,23 @@ def follow_then_compare(model, bucket_root, tmp_path, **options) -> None:
             version = trainer.publish()
             report = trainer.publisher.reports[-1]
             changed = read_file(trainer.publisher.bucket.local_path(report.delta)).changes
-            assert changed and all(".experts.0." in name for name in changed), sorted(changed)
+            checkpoint = trainer.detector.checkpoint.shapes
+            per_expert = any(".experts.0." in name for name in checkpoint)
+            if per_expert:  # one tensor per expert in the checkpoint: only expert 0's changed
+                assert changed and all(".experts.0." in name for name in changed), sorted(changed)
+                assert not any(name.endswith("gate_up_proj") for name in checkpoint)
+            else:  # every expert in one checkpoint tensor
+                assert list(changed) == [fused], sorted(changed)
+            (layer,) = {_experts_of(name) for name in changed}
             assert follower.update(trainer.bucket, report.delta).status_code == 200
             for status in follower.rpc("delta_sync_status"):
                 assert status["model_checksum"] == report.model_checksum
             followed = follower.greedy(PROMPT), follower.prompt_logprobs(PROMPT)
-            # The layer was reloaded with all its experts' tensors: four experts, three projections.
+            # The layer was reloaded with all its experts' tensors (four experts, three
+            # projections), not only the changed ones.
             loads = re.findall(r"reloaded (\d+) whole", follower.log_tail(10**9))
-            assert loads and loads[-1] == "12", loads
-        assert any(".experts.0." in name for name in trainer.detector.checkpoint.shapes)
-        assert not any(name.endswith("gate_up_proj") for name in trainer.detector.checkpoint.shapes)
+            group = [name for name in checkpoint if _experts_of(name) == layer]
+            assert loads and loads[-1] == str(len(group)), (loads, group)
         saved = tmp_path / "saved"
         trainer.model.to(torch.bfloat16).save_pretrained(saved)
         AutoTokenizer.from_pretrained(model).save_pretrained(saved)
@@ -170,3 +177,9 @@ def follow_then_compare(model, bucket_root, tmp_path, **options) -> None:
             assert (fresh.greedy(PROMPT), fresh.prompt_logprobs(PROMPT)) == followed
     finally:
         trainer.close()
+
+
+def _experts_of(name: str) -> str | None:
+    """The MoE layer (`...experts`) a checkpoint tensor of its experts belongs to."""
+    match = re.match(r"(.+\.experts)\.", name)
+    return match.group(1) if match else None
