@@ -183,3 +183,36 @@ def _experts_of(name: str) -> str | None:
     """The MoE layer (`...experts`) a checkpoint tensor of its experts belongs to."""
     match = re.match(r"(.+\.experts)\.", name)
     return match.group(1) if match else None
+
+
+def test_a_model_whose_vllm_loader_writes_past_the_reload_is_refused_not_served_stale(
+    tmp_path_factory, bucket_root, tmp_path
+):
+    """vLLM's gpt-oss loader writes its experts and attention sinks with `copy_`, past the weight
+    loaders vLLM's layerwise reload counts: a reload would put the old tensors back while the
+    replica reported the new version. The extension fails the load instead, naming them."""
+    import transformers
+
+    from tiny_model import build_tokenizer
+    from vllm_server import serving
+
+    model = tmp_path_factory.mktemp("gpt_oss-model")
+    config = transformers.GptOssConfig(
+        intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"], **_LAYERS, **_ATTENTION,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.GptOssForCausalLM(config).to(torch.bfloat16).save_pretrained(model)
+    build_tokenizer(512).save_pretrained(model)
+    trainer = TinyTrainer(model, bucket_root / tmp_path.name, lr=1e-3)
+    try:
+        with serving(model, tmp_path, allowed_buckets=bucket_root.as_uri(), dtype="bfloat16") as server:
+            trainer.step()
+            report = trainer.publisher.reports[-1]
+            response = server.update(trainer.bucket, report.anchor)
+            assert response.status_code == 500, response.text
+            assert "mlp.experts.routed_experts.w13_weight" in response.text, response.text
+            assert "past its weight loaders" in response.text, response.text
+            assert [status["version"] for status in server.rpc("delta_sync_status")] == [None]
+    finally:
+        trainer.close()

@@ -135,9 +135,18 @@ class ModelLoader:
             try:
                 with _experts_processed_as_at_load(self.model):
                     loaded = self.model.load_weights(iter(weights))
+                unseen = _written_past_the_reload(self.model, loaded)
             finally:
                 # Always leave the model runnable: a half-finished reload crashes the next request.
                 finalize_layerwise_reload(self.model, self.model_config)
+        if unseen:
+            # The reload puts such a layer's old tensors back: the model would serve them
+            # while the receiver reports the new version. Failing rolls the load back.
+            raise ApplyError(
+                f"vLLM's loader of {type(self.model).__name__} wrote {', '.join(unseen[:4])}"
+                f"{', ...' if len(unseen) > 4 else ''} past its weight loaders, where a layerwise reload "
+                "cannot see them: vLLM would keep serving the old values; this model cannot be reloaded in place"
+            )
         self._check_consumed([name for name, _ in weights], loaded)
         self.intact = True
 
@@ -510,6 +519,27 @@ def _is_fused_experts(module: torch.nn.Module) -> bool:
     tensors stack every expert, in the layout the kernel computes with, so a changed expert
     reloads the layer, all experts together."""
     return hasattr(getattr(module, "quant_method", None), "moe_kernel")
+
+
+def _written_past_the_reload(model: torch.nn.Module, loaded: Any) -> list[str]:
+    """The runtime tensors vLLM's loader reports loaded whose layer the layerwise reload saw
+    nothing of: written straight into the tensor (gpt-oss's experts: `param.copy_`), not
+    through the weight loader the reload wraps to count what arrives. Finalizing the reload
+    then puts the layer's old tensors back. Read before the finalize, which forgets it."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    unseen = []
+    for name in sorted(loaded or ()):
+        try:
+            layer = model.get_submodule(name.rpartition(".")[0])
+        except AttributeError:
+            continue
+        info = LAYERWISE_INFO.get(layer)
+        # Processed layers have been reset (no kernel tensors kept); a layer still holding its
+        # kernel tensors with nothing counted has received nothing the reload could use.
+        if info is not None and info.kernel_tensors is not None and info.load_numel == 0:
+            unseen.append(name)
+    return unseen
 
 
 def _latent_attention_layers(model: torch.nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
