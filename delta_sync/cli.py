@@ -280,9 +280,9 @@ def _version_row(kind: str, version: int, size: int, header) -> dict:
 
 
 def _follow(args: argparse.Namespace) -> int:
-    logging.getLogger("delta_sync").setLevel(
-        logging.INFO
-    )  # every module's records: a line per version, even without -v
+    # Every module's records, a line per version even without -v: the package's root, by name
+    # (run as `python -m delta_sync.cli`, this module is `__main__`).
+    logging.getLogger("delta_sync").setLevel(logging.INFO)
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         # Stop between polls, or after the update in flight: never leave a session open.
@@ -291,7 +291,9 @@ def _follow(args: argparse.Namespace) -> int:
     with Follower(
         args.bucket, args.vllm_url, interval=args.interval, max_backoff=max_backoff, adapter_name=args.adapter_name
     ) as follower:
-        logging.getLogger(__name__).info("delta-sync: following %s for %s", follower.bucket.url, follower.replica.url)
+        logging.getLogger("delta_sync.cli").info(
+            "delta-sync: following %s for %s", follower.bucket.url, follower.replica.url
+        )
         follower.run(stop)
     return 0
 
