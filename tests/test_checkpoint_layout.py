@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from delta_sync import BF16ChangeDetector, Publisher, Receiver, expected_shapes_of, module_weight_loader, verify_bucket
 from delta_sync.errors import UnservableModelError
 from delta_sync.format import SparseChange, read_file
-from delta_sync.trainer.checkpoint import CheckpointLayout
+from delta_sync.trainer.checkpoint import CheckpointLayout, persistent_buffers
 
 transformers = pytest.importorskip("transformers")
 core = pytest.importorskip("transformers.core_model_loading")
@@ -67,6 +67,41 @@ def _olmoe():
         hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, **_ATTENTION
     )
     return transformers.OlmoeForCausalLM(config)
+
+
+def _glm4_moe():
+    """GLM-4.5: Qwen2-MoE's conversion rule, a dense first layer, a shared expert, and a
+    router score correction bias (a persistent buffer)."""
+    config = transformers.Glm4MoeConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        **_ATTENTION,
+    )
+    return transformers.Glm4MoeForCausalLM(config)
+
+
+def _qwen3_next():
+    """Qwen3-Next: Qwen2-MoE's conversion rule in every layer, linear attention (gated delta
+    net) in the first, full attention in the second."""
+    config = transformers.Qwen3NextConfig(
+        **_MOE,
+        shared_expert_intermediate_size=24,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_value_heads=2,
+        linear_num_key_heads=1,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        **_ATTENTION,
+    )
+    return transformers.Qwen3NextForCausalLM(config)
 
 
 def _gpt_oss():
@@ -149,6 +184,8 @@ FAMILIES = {
     "qwen2_moe": _qwen2_moe,
     "mixtral": _mixtral,
     "olmoe": _olmoe,
+    "glm4_moe": _glm4_moe,
+    "qwen3_next": _qwen3_next,
     "gpt_oss": _gpt_oss,
     "gemma3_text": _gemma3_text,
     "transposed_moe": _transposed_moe,
@@ -156,7 +193,16 @@ FAMILIES = {
     "qwen2_5_vl": _qwen2_5_vl,
     "gemma3_vlm": _gemma3_vlm,
 }
-FUSED = {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "transposed_moe", "stored_transposed_moe"}
+FUSED = {
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "glm4_moe",
+    "qwen3_next",
+    "transposed_moe",
+    "stored_transposed_moe",
+}
 #: Checkpoints that only name some tensors otherwise.
 RENAMED = {"qwen2_5_vl", "gemma3_vlm"}
 
@@ -180,7 +226,8 @@ def assert_same_checkpoint(expected: dict[str, torch.Tensor], actual: dict[str, 
 
 
 def runtime_tensors(model) -> dict[str, torch.Tensor]:
-    return {name: param.detach() for name, param in model.named_parameters()}
+    """The parameters and the persistent buffers (a checkpoint holds both)."""
+    return {name: param.detach() for name, param in model.named_parameters()} | persistent_buffers(model)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -246,6 +293,8 @@ def _train(model, optimizer, steps: int, seed: int) -> None:
         "qwen2_moe",
         "mixtral",
         "olmoe",
+        "glm4_moe",
+        "qwen3_next",
         "gpt_oss",
         "transposed_moe",
         "stored_transposed_moe",

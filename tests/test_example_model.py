@@ -78,6 +78,25 @@ def _deepseek_v3(transformers, **common):
     return transformers.DeepseekV3ForCausalLM(config)
 
 
+def _glm4_moe(transformers, **common):
+    """GLM-4.5: DeepSeek-V3's router and shared expert with standard attention."""
+    config = transformers.Glm4MoeConfig(
+        intermediate_size=256, moe_intermediate_size=64, first_k_dense_replace=1, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, **common,
+    )  # fmt: skip
+    return transformers.Glm4MoeForCausalLM(config)
+
+
+def _qwen3_next(transformers, **common):
+    """Linear attention (a gated delta net) in the first layer, gated full attention in the second."""
+    config = transformers.Qwen3NextConfig(
+        intermediate_size=256, shared_expert_intermediate_size=128, layer_types=["linear_attention", "full_attention"],
+        linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=64, linear_value_head_dim=64,
+        **_EXPERTS, **common,
+    )  # fmt: skip
+    return transformers.Qwen3NextForCausalLM(config)
+
+
 #: family -> (builder, a tensor of its checkpoint that the run-time model does not have by that name, if any)
 FAMILIES: dict[str, tuple[Callable, str | None]] = {
     "qwen3": (_qwen3, None),
@@ -88,6 +107,8 @@ FAMILIES: dict[str, tuple[Callable, str | None]] = {
     "mixtral": (_mixtral, "model.layers.1.block_sparse_moe.experts.3.w2.weight"),
     "olmoe": (_olmoe, "model.layers.1.mlp.experts.3.down_proj.weight"),
     "deepseek_v3": (_deepseek_v3, "model.layers.1.mlp.gate.e_score_correction_bias"),
+    "glm4_moe": (_glm4_moe, "model.layers.1.mlp.experts.3.down_proj.weight"),
+    "qwen3_next": (_qwen3_next, "model.layers.1.mlp.experts.3.down_proj.weight"),
 }
 MOE = {family for family, (_, per_expert) in FAMILIES.items() if per_expert}
 ROWS = [

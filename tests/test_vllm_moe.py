@@ -1,6 +1,8 @@
-"""A real `vllm serve` (CPU) of a tiny MoE checkpoint (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3) follows a bucket whose
-anchors and deltas name the checkpoint's per-expert tensors, while transformers trains the fused ones. DeepSeek-V3 adds
-latent attention (vLLM derives matrices from `kv_b_proj` after loading) and a router bias transformers keeps as a buffer.
+"""A real `vllm serve` (CPU) of a tiny MoE checkpoint follows a bucket whose anchors and deltas
+name the checkpoint's per-expert tensors, while transformers trains the fused ones: Qwen3-MoE,
+Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3 and GLM-4.5. DeepSeek-V3 adds latent attention (vLLM
+derives matrices from `kv_b_proj` after loading); it and GLM-4.5 keep a router bias that
+transformers holds as a buffer.
 
 The check needs no tolerance and no agreement between vLLM's MoE kernels and transformers':
 the server that followed the bucket and a server started on `save_pretrained` of the trained
@@ -24,6 +26,19 @@ pytestmark = pytest.mark.slow
 #: Attention as vLLM's CPU backend runs it (head_dim 64), shared by every row.
 _ATTENTION = {"vocab_size": 512, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64}
 _LAYERS = {"hidden_size": 128, "num_hidden_layers": 2, "tie_word_embeddings": False}
+
+#: DeepSeek-V3's mixture of experts, as GLM-4.5 has it too: a dense first layer, then four
+#: routed experts (two per token, one group) beside a shared one.
+_DEEPSEEK_ROUTED = {
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+}
 
 #: Model type -> (config class, model class, arguments): four experts, two per token.
 FAMILIES = {
@@ -56,14 +71,7 @@ FAMILIES = {
         "DeepseekV3Config",
         "DeepseekV3ForCausalLM",
         {
-            "intermediate_size": 256,
-            "moe_intermediate_size": 64,
-            "first_k_dense_replace": 1,
-            "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
-            "n_shared_experts": 1,
-            "n_group": 1,
-            "topk_group": 1,
+            **_DEEPSEEK_ROUTED,
             "topk_method": "noaux_tc",
             "scoring_func": "sigmoid",
             "q_lora_rank": None,
@@ -74,9 +82,40 @@ FAMILIES = {
             "num_key_value_heads": 2,
         },
     ),
+    # GLM-4.5: DeepSeek-V3's router (score correction bias, dense first layer, shared expert)
+    # with standard attention, half of each head rotary.
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        _DEEPSEEK_ROUTED,
+    ),
+    # Linear attention (a gated delta net) in the first layer, gated full attention in the
+    # second; every layer a mixture of experts with a gated shared expert.
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        {
+            "intermediate_size": 256,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 128,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "layer_types": ["linear_attention", "full_attention"],
+            "linear_num_value_heads": 2,
+            "linear_num_key_heads": 1,
+            "linear_key_head_dim": 64,
+            "linear_value_head_dim": 64,
+        },
+    ),
+    "olmoe": (  # query and key norms over the whole projection
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        {"intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2},
+    ),
 }
-#: Server options a row needs: vLLM's CPU MLA kernel takes bf16 weights only.
-SERVER_OPTIONS = {"deepseek_v3": {"dtype": "bfloat16"}}
+#: Server options a row needs: vLLM's CPU kernels for latent attention (MLA) and for the gated
+#: delta net take bf16 only.
+SERVER_OPTIONS = {"deepseek_v3": {"dtype": "bfloat16"}, "qwen3_next": {"dtype": "bfloat16"}}
 
 
 def build_checkpoint(family: str, path):

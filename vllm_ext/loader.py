@@ -6,7 +6,7 @@ Where a checkpoint weight lives in the served model decides how it is written:
 | --- | --- |
 | plain, and holds the checkpoint tensor as a contiguous range (same shape; or a fused qkv / gate_up shard on one worker) | the changed elements, straight into the tensor (`index_copy_`): O(changed) |
 | plain, otherwise (a tensor-parallel slice, a padded vocabulary) | the changed elements, through vLLM's checkpoint patch loader (`load_checkpoint_weight_patches`: checkpoint coordinates, the model's own `load_weights`, so slices and padding are vLLM's) |
-| none: `weight` is empty (the CPU backend prepacked the layer), or quantized | the whole layer, through vLLM's layerwise reload, with its fused siblings |
+| none: `weight` is empty (the CPU backend prepacked the layer), held in a kernel's packed layout (the CPU backend's causal-conv weights of linear attention: Qwen3-Next's gated delta net), or quantized | the whole layer, through vLLM's layerwise reload, with its fused siblings |
 | a fused MoE layer's experts (`w13_weight`, `w2_weight`: every expert stacked, in the kernel's layout) | the whole layer, through vLLM's layerwise reload, with every expert's tensors from the snapshot (the engine completes the group) and the kernel's own processing run again (the CPU backend's prepack) |
 | `kv_b_proj` of a multi-head latent attention layer (DeepSeek-V2/V3, Kimi K2), from which the attention derives its absorbed matrices after loading (and which the CPU kernels may then free) | the whole tensor (this worker's rows of it), then the attention layer's own post-load processing, which derives those matrices again (in place where it copies into them) |
 
@@ -31,7 +31,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -443,16 +443,12 @@ class ModelLoader:
             logger.info("delta-sync: this vLLM has no checkpoint patch loader: every tensor is reloaded whole")
             return {}
         runtime = dict(self.model.named_parameters())
-        experts = {
-            f"{prefix}.{name}" if prefix else name
-            for prefix, module in self.model.named_modules()
-            if _is_fused_experts(module)
-            for name, _ in module.named_parameters(recurse=False)
-        }
+        experts = _parameters_of(self.model, _is_fused_experts)
+        packed_convs = _parameters_of(self.model, _holds_a_packed_conv_weight)
         plain = {
             name
             for name, param in runtime.items()
-            if param.numel() > 0 and param.dtype in _PLAIN_DTYPES and name not in experts
+            if param.numel() > 0 and param.dtype in _PLAIN_DTYPES and name not in experts | packed_convs
         }
         writable = {name: name for name in plain}
         packed = packed_modules(self.model)
@@ -540,6 +536,25 @@ def _written_past_the_reload(model: torch.nn.Module, loaded: Any) -> list[str]:
         if info is not None and info.kernel_tensors is not None and info.load_numel == 0:
             unseen.append(name)
     return unseen
+
+
+def _parameters_of(model: torch.nn.Module, kind: Callable[[torch.nn.Module], bool]) -> set[str]:
+    """The names of the parameters held by the modules of `model` that are of `kind`."""
+    return {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in model.named_modules()
+        if kind(module)
+        for name, _ in module.named_parameters(recurse=False)
+    }
+
+
+def _holds_a_packed_conv_weight(module: torch.nn.Module) -> bool:
+    """Whether the CPU backend replaced `module`'s causal-conv `weight` by its kernel's
+    packed layout at load time (vLLM 0.32's `dispatch_cpu_unquantized_gemm`, for the
+    convolution of linear attention layers, keeps the unpacked weight beside it as
+    `_cpu_unpacked_conv_weight`). Its values are no longer the checkpoint's in any order a
+    write could follow: only the layer's own processing after a reload packs new ones."""
+    return getattr(module, "_cpu_unpacked_conv_weight", None) is not None
 
 
 def _latent_attention_layers(model: torch.nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
