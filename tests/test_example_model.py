@@ -97,6 +97,16 @@ def _qwen3_next(transformers, **common):
     return transformers.Qwen3NextForCausalLM(config)
 
 
+def _gpt_oss(transformers, **common):
+    """Experts fused, gate and up interleaved, at run time and in the checkpoint alike (no
+    conversion); attention sinks; sliding and full attention layers."""
+    config = transformers.GptOssConfig(
+        intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"], **common,
+    )  # fmt: skip
+    return transformers.GptOssForCausalLM(config)
+
+
 #: family -> (builder, a tensor of its checkpoint that the run-time model does not have by that name, if any)
 FAMILIES: dict[str, tuple[Callable, str | None]] = {
     "qwen3": (_qwen3, None),
@@ -109,12 +119,10 @@ FAMILIES: dict[str, tuple[Callable, str | None]] = {
     "deepseek_v3": (_deepseek_v3, "model.layers.1.mlp.gate.e_score_correction_bias"),
     "glm4_moe": (_glm4_moe, "model.layers.1.mlp.experts.3.down_proj.weight"),
     "qwen3_next": (_qwen3_next, "model.layers.1.mlp.experts.3.down_proj.weight"),
+    "gpt_oss": (_gpt_oss, None),
 }
-MOE = {family for family, (_, per_expert) in FAMILIES.items() if per_expert}
 ROWS = [
-    pytest.param(family, encoding, id=f"{family}-{encoding}")
-    for family in FAMILIES
-    for encoding in (("raw", "compact") if family in MOE else ("raw",))
+    pytest.param(family, encoding, id=f"{family}-{encoding}") for family in FAMILIES for encoding in ("raw", "compact")
 ]
 
 

@@ -138,9 +138,14 @@ def moe_model(request, tmp_path_factory):
     return request.param, build_checkpoint(request.param, tmp_path_factory.mktemp(f"{request.param}-model"))
 
 
-@pytest.fixture(scope="module")
-def qwen3_moe_model(tmp_path_factory):
-    return build_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe-model"))
+#: The rows also run on two tensor-parallel CPU workers: experts sliced on every worker, and
+#: latent attention's `kv_b_proj` split by heads.
+TENSOR_PARALLEL = ["qwen3_moe", "deepseek_v3"]
+
+
+@pytest.fixture(scope="module", params=TENSOR_PARALLEL)
+def tensor_parallel_model(request, tmp_path_factory):
+    return request.param, build_checkpoint(request.param, tmp_path_factory.mktemp(f"{request.param}-tp-model"))
 
 
 def test_a_server_following_per_expert_deltas_serves_the_saved_checkpoint(moe_model, bucket_root, tmp_path):
@@ -150,17 +155,19 @@ def test_a_server_following_per_expert_deltas_serves_the_saved_checkpoint(moe_mo
 
 @pytest.mark.timeout(2400)
 def test_a_tensor_parallel_server_following_per_expert_deltas_serves_the_saved_checkpoint(
-    qwen3_moe_model, bucket_root, tmp_path
+    tensor_parallel_model, bucket_root, tmp_path
 ):
     """Two CPU workers, each holding a slice of every expert, both mapping the one node
     snapshot. (Expert parallelism is not run: vLLM 0.32's CPU MoE kernel crashes on the first
     request of a server started with `--enable-expert-parallel`, without this extension.)"""
+    family, model = tensor_parallel_model
     follow_then_compare(
-        qwen3_moe_model,
+        model,
         bucket_root,
         tmp_path,
         extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
         extra_args=["--tensor-parallel-size", "2"],
+        **SERVER_OPTIONS.get(family, {}),
     )
 
 
