@@ -6,6 +6,7 @@ Each test launches a script from tests/distributed/ and reads what its ranks pri
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -247,14 +248,25 @@ def test_fsdp2_example_runs_as_documented(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
+        # A rank that dies of a signal prints its threads' Python stacks first.
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},
     )
-    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    assert result.returncode == 0, failure_report(result.stdout + result.stderr)
     assert "replica bit-exact                  yes" in result.stdout
     from delta_sync import read_file, verify_bucket
 
     (part, *_) = sorted(bucket.glob("deltas/*/part_*.safetensors"))
     assert read_file(part, part_of="test").header.encoding == "compact"
     assert verify_bucket(str(bucket)).ok
+
+
+def failure_report(output: str, size: int = 4000) -> str:
+    """The end of a failed run's output and, where a rank died of a signal, its stacks: the
+    other ranks' tracebacks that follow would push them out of the end."""
+    fatal = output.find("Fatal Python error")
+    if fatal < 0 or fatal >= len(output) - size:
+        return output[-size:]
+    return f"{output[fatal : fatal + size]}\n...\n{output[-size:]}"
 
 
 @pytest.mark.slow
