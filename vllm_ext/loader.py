@@ -444,11 +444,11 @@ class ModelLoader:
             return {}
         runtime = dict(self.model.named_parameters())
         experts = _parameters_of(self.model, _is_fused_experts)
-        packed_convs = _parameters_of(self.model, _holds_a_packed_conv_weight)
+        kernel_layout = experts | _parameters_of(self.model, _holds_a_packed_conv_weight)
         plain = {
             name
             for name, param in runtime.items()
-            if param.numel() > 0 and param.dtype in _PLAIN_DTYPES and name not in experts | packed_convs
+            if param.numel() > 0 and param.dtype in _PLAIN_DTYPES and name not in kernel_layout
         }
         writable = {name: name for name in plain}
         packed = packed_modules(self.model)
