@@ -109,6 +109,7 @@ from . import rans
 from .addresses import address_of, on_host, view
 from .bitmasks import FAST_BIT_GATHER, LANES, above, deposit, popcount
 from .changes import Encoding, SparseChange, index_dtype
+from .compile_cache import njit_cached
 from .errors import ApplyError, FormatError
 from .parallel import parallel_map, shares
 
@@ -318,7 +319,7 @@ def _encode_batch(names: list[str], inputs: list[tuple[torch.Tensor, ...]]) -> d
     return streams
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _encode_tensors(table, wide):
     """`(streams, errors)` of the tensors in `table` (per row: the addresses and sizes of
     their previous bits, positions, new bits and old bits, 0 for none), positions int64 if
@@ -339,7 +340,7 @@ def _encode_tensors(table, wide):
     return streams, errors
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _encode_tensor(bits, positions, new_bits, old_bits, patched):
     """One tensor's stream (empty where `positions` are not strictly ascending in range).
 
@@ -401,7 +402,7 @@ def _encoder_inputs(
     )
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _strictly_ascending(indices: np.ndarray, numel: int) -> bool:
     if indices[0] < 0 or indices[-1] >= numel:
         return False
@@ -411,7 +412,7 @@ def _strictly_ascending(indices: np.ndarray, numel: int) -> bool:
     return True
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _classify(positions, numel, new_bits, old_bits):
     """`(ascending, zigzag values, their classes, changes per (old exponent, class))` in one
     pass over the changes: `ascending` whether `positions` are strictly ascending in
@@ -463,7 +464,7 @@ def _sample_counts(bits, indices, old_bits, patched):
     return _run_histogram(bits, runs, step, length, indices, old_bits, patched)
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _run_histogram(bits, runs, step, length, indices, old_bits, patched):
     # Weights share a few exponents: counted into one histogram, each element waits for the
     # element before it to store the same count. Four, one per element in turn, overlap.
@@ -492,7 +493,7 @@ def _run_histogram(bits, runs, step, length, indices, old_bits, patched):
     return counts
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _rank_changes(bits, boundaries, indices, old_bits, classes, zigzag, changed, counts, limits):
     """Rank of each change among the members of its group (by previous exponent), and the
     group sizes (into `counts`): `(ranks, classes, zigzag)` ordered by group, stable.
@@ -574,7 +575,7 @@ def _place(j, group, rank, slots, ranks, classes, zigzag, sorted_classes, sorted
     slots[group] = slot + 1
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _stream(boundaries, counts, changed, tables, sizes, words):
     """Header and words as bytes (the layout in the module's docstring)."""
     groups = changed.size
@@ -684,7 +685,7 @@ def _decode_batch(
     return decoded
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _read_headers(located, numels, boundaries, groups, members, changed, quantized, sizes, lanes, words):
     """The headers of the streams at `located` (per row: address and bytes) into the rows of
     the other arrays, as [`_Header`] reads them; per stream whether it was read (False: a
@@ -775,7 +776,7 @@ def _read_varint(data, at, limit):
     return np.int64(-1), at
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _decode_tensors(table, wide, lanes, groups, boundaries, members, changed, quantized, sizes):
     """Decode the tensors of `table` (per row: the address of their coder words' first byte
     and their count, the address and size of their previous bits, and the addresses of the
@@ -822,7 +823,7 @@ def _words(data):
     return words
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _decode_tensor(words, bits, lanes, boundaries, claimed, changed, quantized, sizes, positions_out, values_out):
     """One tensor's changes, coded with `lanes` coder states, into `positions_out` and
     `values_out`: `(error, group, members)` as [`_decode_tensors`] returns them. The groups'
@@ -872,7 +873,7 @@ def _applied(held, code):
     return np.int16(np.int32(held) + ((code >> 1) ^ -(code & 1)))
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _group_counts(bits, boundaries):
     """Members of each exponent group, from one mask per group boundary per 64 elements."""
     groups = boundaries.size + 1
@@ -894,7 +895,7 @@ def _group_counts(bits, boundaries):
     return counts
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _select(bits, boundaries, limits, ranks, zigzag, starts, ends, counts, positions_out, values_out):
     """The changes at the members of each group with the given ranks, in one pass, ascending.
 
@@ -956,7 +957,7 @@ def _select(bits, boundaries, limits, ranks, zigzag, starts, ends, counts, posit
     return found, members
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _rank_bitmaps(ranks, starts, ends, counts):
     """`(words, bases)`: per group `g`, a bitmap of its members with bit `r` set where rank
     `r` is among `ranks[starts[g]:ends[g]]` (each below `counts[g]`), starting at bit
@@ -973,7 +974,7 @@ def _rank_bitmaps(ranks, starts, ends, counts):
     return words, bases
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _select_by_deposit(bits, boundaries, limits, ranks, zigzag, starts, ends, counts, positions_out, values_out):
     """[`_select`] without a branch per group: each group's wanted ranks as a bitmap of its
     members ([`_rank_bitmaps`]); per 64 elements, the next bits of each group's bitmap, as
@@ -1192,7 +1193,7 @@ class _Header:
 # -- exponent groups -------------------------------------------------------------------------
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _choose_boundaries(bits, positions, old_bits, class_counts, patched):
     """Split the exponent line into at most `_MAX_GROUPS` groups so that the estimated coded
     size, plus a pass over the tensor per boundary, is smallest: the first exponent of each
@@ -1218,7 +1219,7 @@ def _choose_boundaries(bits, positions, old_bits, class_counts, patched):
     return atoms[firsts[best, 1 : groups[best]]].astype(np.int64)
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _atoms(sampled, class_counts, numel):
     """`(atoms, n, h)`: the first exponent of each atom, and its estimated elements and its
     changes per value class present (an atom runs to the next one's first exponent).
@@ -1254,7 +1255,7 @@ def _atoms(sampled, class_counts, numel):
     return atoms, n, h
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _windows(atoms):
     """The splits of `atoms` atoms into a low tail, a run of single atoms (or of pairs) and a
     high tail, and the atom ranges their groups are made of: `(starts, ends, ranges, firsts,
@@ -1300,7 +1301,7 @@ def _xlogx(x):
     return x * np.log2(x) if x > 1.0 else 0.0
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _best_split(n, h, starts, ends, ranges, groups, boundary_bits):
     """The split of least estimated size: row of `ranges` (the atom ranges of its groups).
 
@@ -1362,7 +1363,7 @@ def _log_byte(count):
     return min(4 * exponent + quarter + 1, 255)
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _group_tables(class_counts, boundaries):
     """Per exponent group: its value table and its changes, `(quantized, sizes, changed)`.
 
@@ -1388,7 +1389,7 @@ def _group_tables(class_counts, boundaries):
     return quantized, sizes, changed
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _class_table(quantized):
     """The [`rans.cumulative`] table of a group's value classes, from its value table bytes:
     class `c` weighs `2^((q_c - 1) / 4)` (in integers: relative to the largest, a quarter
@@ -1421,7 +1422,7 @@ def _gap_shift(count, coded):
     return max(0, length - 3)
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _gap_table(count, coded):
     """`(table, shift)`: the [`rans.cumulative`] table of `gap >> shift` below `_TOPS` (the
     last symbol escapes larger ones) for `coded` marked elements among `count`, and `shift`.
@@ -1462,7 +1463,7 @@ def _lanes(changed):
     return _lanes_of(_VERSION, total)
 
 
-@numba.njit(cache=True)
+@njit_cached()
 def _lanes_of(version, changes):
     """The coder states a stream of `version` with `changes` changes was coded with."""
     least = _MIN_LANED_CHANGES if version >= 5 else _MIN_LANED_CHANGES_V4
@@ -1483,7 +1484,7 @@ def _chunks(width):
     return (width + _CHUNK_BITS - 1) // _CHUNK_BITS
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _encode_groups(ranks, classes, zigzag, counts, changed, quantized, sizes):
     """The ANS words of every group's changes: `ranks` among its group, value `classes` and
     `zigzag` values, ordered by group (`changed[g]` of group `g`).
@@ -1598,7 +1599,7 @@ def _put_group(out, run, ranks, classes, zigzag, count, quantized, lanes):
     return a, b, c, d, at
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _position_tops(ranks, count, complement, shift):
     """The coded fields of one group's positions: `(tops, lows, excess)`.
 
@@ -1669,7 +1670,7 @@ def _decode_error(code: int, group: int, changed: int, members: int) -> str:
     return rans.error_message(code)
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _decode_groups(words, lanes, counts, changed, quantized, sizes, positions):
     """`(ranks, zigzag, error)`: every group's changes (ranks among the group, zigzag values)
     ordered by group, from the words [`_encode_groups`] codes with `lanes` coder states;
@@ -1702,7 +1703,7 @@ def _decode_groups(words, lanes, counts, changed, quantized, sizes, positions):
     return ranks, zigzag, rans.decoder_finish(ctx, words)
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _decode_group(ctx, words, count, k, quantized, ranks, zigzag):
     """One group's `k` changes among `count` members into `ranks` and `zigzag`, mirroring
     [`_encode_groups`]: an error code. Every loop is bounded by `count` (checked against the

@@ -25,6 +25,7 @@ import torch
 import xxhash
 
 from .addresses import on_host, view
+from .compile_cache import njit_cached
 
 __all__ = [
     "PayloadHasher",
@@ -57,7 +58,7 @@ def _element_hash(position, bits):
     return z ^ (z >> np.uint64(31))
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _hash_run(bits, first):
     """Sum mod 2^64 of the hashes of `(first + i, bits[i])`."""
     total = np.uint64(0)
@@ -66,7 +67,7 @@ def _hash_run(bits, first):
     return total
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _hash_at(bits, positions):
     """Sum mod 2^64 of the hashes of `(positions[i], bits[i])`."""
     total = np.uint64(0)
@@ -75,7 +76,7 @@ def _hash_at(bits, positions):
     return total
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _apply_one(bits, positions, new_bits, old_bits):
     """One row of [`_apply_changes`]: `(index of the first position out of range or -1, hash difference)`."""
     total = np.uint64(0)
@@ -89,7 +90,7 @@ def _apply_one(bits, positions, new_bits, old_bits):
     return -1, total
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _apply_changes(table, wide):
     """For each row of `table` (the addresses of a tensor's bits, its changes' positions,
     their new bits and a buffer for the old ones, the tensor's and the changes' sizes):
@@ -112,7 +113,7 @@ def _apply_changes(table, wide):
     return differences, errors
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _hash_difference(positions, old_bits, new_bits):
     """The sum of the hashes of `(positions[i], new_bits[i])` less that of `(positions[i], old_bits[i])`."""
     total = np.uint64(0)
@@ -121,7 +122,7 @@ def _hash_difference(positions, old_bits, new_bits):
     return total
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _hash_differences(table, wide):
     """[`_hash_difference`] of each row of `table` (the addresses of a tensor's changed
     positions, their old and new bits, and their count). Positions are int64 if `wide`,

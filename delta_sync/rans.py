@@ -50,6 +50,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from .compile_cache import njit_cached
 from .errors import FormatError
 
 __all__ = [
@@ -66,7 +67,7 @@ __all__ = [
 
 # numba's disk cache keys each function on its own file only: compiled callers in other
 # modules (delta_sync.compact) inline these functions, so after an edit here their cache
-# (`__pycache__/compact.*.nbi`, `.nbc`) must be cleared by hand; installed releases are unaffected.
+# (`__pycache__/numba-*/compact.*.nbi`, `.nbc`) must be cleared by hand; installed releases are unaffected.
 
 #: Bits of every frequency table's total: frequencies sum to `2^PRECISION`.
 PRECISION = 16
@@ -106,7 +107,7 @@ def error_message(code: int) -> str:
 # -- tables ----------------------------------------------------------------------------------
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def quantize(weights: np.ndarray, possible: np.ndarray) -> np.ndarray:
     """Integer frequencies summing to `2^PRECISION` from non-negative integer `weights`.
 
@@ -150,7 +151,7 @@ def quantize(weights: np.ndarray, possible: np.ndarray) -> np.ndarray:
     return freqs
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def cumulative(freqs: np.ndarray) -> np.ndarray:
     """The table a model codes with: `table[s]` is the sum of the frequencies below `s`
     (`table[-1] == 2^PRECISION` for a valid table).
@@ -164,7 +165,7 @@ def cumulative(freqs: np.ndarray) -> np.ndarray:
     return table
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def table_symbols(table: np.ndarray, symbols: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`(starts, freqs, scales)` for [`encode`] of `symbols` coded with `table`.
 
@@ -220,7 +221,7 @@ def _divide(state, freq, scale):
     return quotient, remainder
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def encode(starts: np.ndarray, freqs: np.ndarray, scales: np.ndarray, lanes: int = LANES) -> np.ndarray:
     """The words that code symbol `i` as the range `[starts[i], starts[i] + freqs[i])` out of
     `2^scales[i]`, for every `i`, in the order a decoder reads them.
@@ -326,7 +327,7 @@ _LANES = 2
 _STATES = 3
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def decoder_start(words: np.ndarray, lanes: int = LANES) -> tuple[np.ndarray, int]:
     """`(ctx, error)`: a decoder positioned at the first symbol of `words`, coded with `lanes` states."""
     ctx = np.zeros(_STATES + LANES, np.int64)
@@ -344,7 +345,7 @@ def decoder_start(words: np.ndarray, lanes: int = LANES) -> tuple[np.ndarray, in
     return ctx, OK
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def lookup(table: np.ndarray) -> np.ndarray:
     """Where the decoder starts its search for a slot's symbol: for each `2^LOOKUP_BITS`-th
     of the range, the symbol its first slot falls in.
@@ -435,7 +436,7 @@ def _end_run(ctx, run, decoded):
     return OK
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@njit_cached(nogil=True, inline="always")
 def decode_symbols(ctx: np.ndarray, words: np.ndarray, table: np.ndarray, starts: np.ndarray, out: np.ndarray) -> int:
     """Decode `out.size` symbols coded with the [`cumulative`] `table` (trusted: built by this
     module), whose [`lookup`] is `starts`, into `out`: an error code."""
@@ -462,7 +463,7 @@ def _decode_symbols(ctx, words, table, starts, out, lanes):
     return _end_run(ctx, (a, b, c, d, at, overrun), out.size)
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@njit_cached(nogil=True, inline="always")
 def decode_pairs(
     ctx: np.ndarray,
     words: np.ndarray,
@@ -507,7 +508,7 @@ def _decode_pairs(ctx, words, first, first_starts, second, second_starts, first_
     return _end_run(ctx, (a, b, c, d, at, overrun), 2 * first_out.size)
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@njit_cached(nogil=True, inline="always")
 def decode_bit_run(ctx: np.ndarray, words: np.ndarray, width: int, count: int, out: np.ndarray, shift: int) -> int:
     """Decode `count` raw values of `width` bits (0 to `MAX_RAW_BITS`), OR-ing value `i`
     shifted left by `shift` into `out[i]`: an error code."""
@@ -531,7 +532,7 @@ def _decode_bit_run(ctx, words, width, count, out, shift, lanes):
     return _end_run(ctx, (a, b, c, d, at, overrun), count)
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@njit_cached(nogil=True, inline="always")
 def decode_bits(ctx: np.ndarray, words: np.ndarray, width: int) -> int:
     """The next raw value of `width` bits (0 to `MAX_RAW_BITS`), or minus an error code."""
     if width < 0 or width > MAX_RAW_BITS:
@@ -548,7 +549,7 @@ def decode_bits(ctx: np.ndarray, words: np.ndarray, width: int) -> int:
     return value
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def valid_table(table: np.ndarray) -> bool:
     """Whether `table` is a [`cumulative`] table: from 0 to `2^PRECISION`, never decreasing."""
     if table.size < 2 or table[0] != 0 or table[-1] != np.int64(1) << np.int64(PRECISION):
@@ -559,7 +560,7 @@ def valid_table(table: np.ndarray) -> bool:
     return True
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def decode_table(ctx: np.ndarray, words: np.ndarray, table: np.ndarray, out: np.ndarray) -> int:
     """Decode `out.size` symbols coded with the [`cumulative`] `table` into `out`: an error code."""
     if not valid_table(table):
@@ -567,7 +568,7 @@ def decode_table(ctx: np.ndarray, words: np.ndarray, table: np.ndarray, out: np.
     return decode_symbols(ctx, words, table, lookup(table), out)
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def decode_raw(ctx: np.ndarray, words: np.ndarray, widths: np.ndarray, out: np.ndarray) -> int:
     """Decode `widths.size` raw values of `widths[i]` bits (0 to `MAX_RAW_BITS`) into `out`: an error code."""
     for i in range(widths.size):
@@ -578,7 +579,7 @@ def decode_raw(ctx: np.ndarray, words: np.ndarray, widths: np.ndarray, out: np.n
     return OK
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def decoder_finish(ctx: np.ndarray, words: np.ndarray) -> int:
     """OK if every word was read and every lane is back at its initial state, else the error."""
     if ctx[_WORD] != words.size:

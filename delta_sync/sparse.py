@@ -27,6 +27,7 @@ from numba.extending import overload
 
 from .addresses import as_bfloat16, view
 from .bitmasks import LANES, differ, differ_rounded
+from .compile_cache import njit_cached
 from .staging import HostBuffers
 
 __all__ = [
@@ -106,7 +107,7 @@ def scatter_many_(changes: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tens
             raise IndexError(f"a position is outside the tensor of {rows[error][1]} elements it is written to")
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _scatter_rows(table, wide):
     """Per row of `table` (a tensor's address and size, its positions' address and count,
     its values' address), the values written at the positions (int64 where `wide`, else
@@ -123,7 +124,7 @@ def _scatter_rows(table, wide):
     return -1
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _scatter_bits(bits, positions, values):
     """`bits[positions] = values` if every position is in range (else False, nothing written)."""
     for i in range(positions.size):
@@ -206,7 +207,7 @@ def extract_changes_many_(
     return results
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _extract_rows(table, like, nan_bits):
     """[`_extract`] of every tensor in `table` (per row: the addresses of the weights and of
     the snapshot, their elements, and 1 where the weights are fp32, 0 where bf16), to the
@@ -311,7 +312,7 @@ def _differ_of(current, snapshot, start, nan_bits):
     return lambda current, snapshot, start, nan_bits: differ_rounded(current, snapshot, start, nan_bits)
 
 
-@numba.njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _extract(current, snapshot, start, positions, new, old, nan_bits):
     """Compare from `start` (a multiple of 64), 64 elements at a time, until the end or
     until the buffers could overflow; record and apply the changes. `current` holds bf16

@@ -71,28 +71,7 @@ def vllm_python() -> Path:
         else:
             # Cheap when nothing changed; picks up new dependencies of this package.
             _run(pip + ["-e", f"{REPO}[trainer]"], timeout=1800)
-        _own_numba_cache(python)
     return python
-
-
-def _own_numba_cache(python: Path) -> None:
-    """Give the environment's processes a numba cache of their own.
-
-    vLLM pins numba, so this environment's numba is usually another version than the test
-    environment's; sharing the package's `__pycache__`, each would overwrite the other's
-    cache, and every server start would compile the replica's passes again (tens of
-    seconds, before it serves). A `.pth` line runs at every interpreter start-up.
-    """
-    site = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    line = f"import os; os.environ.setdefault('NUMBA_CACHE_DIR', {str(ENV_DIR / 'numba-cache')!r})\n"
-    path = Path(site) / "delta_sync_numba_cache.pth"
-    if not path.is_file() or path.read_text() != line:
-        path.write_text(line)
 
 
 @functools.cache
@@ -105,15 +84,35 @@ def vllm_ext_auth() -> ModuleType:
     return module
 
 
+def server_in(logs: Path, model_dir: Path, **options) -> VLLMServer:
+    """A [`VLLMServer`] (not launched) whose log (`server.log`) and download cache (`cache/`)
+    are under `logs`. `options` are the server's other arguments."""
+    return VLLMServer(model_dir, log_path=logs / "server.log", cache_dir=logs / "cache", **options)
+
+
 @contextlib.contextmanager
 def serving(model_dir: Path, logs: Path, **options) -> Iterator[VLLMServer]:
-    """A started [`VLLMServer`], its log (`server.log`) and download cache (`cache/`) under
-    `logs`, stopped on exit. `options` are the server's other arguments."""
-    server = VLLMServer(model_dir, log_path=logs / "server.log", cache_dir=logs / "cache", **options)
+    """A started [`server_in`] `logs`, stopped on exit."""
+    server = server_in(logs, model_dir, **options)
     try:
         yield server.start()
     finally:
         server.stop()
+
+
+@contextlib.contextmanager
+def launched(servers: dict[str, VLLMServer]) -> Iterator[dict[str, VLLMServer]]:
+    """`servers` launched at once and stopped on exit; each is waited for
+    ([`VLLMServer.wait_healthy`]) where a test first needs it. A start is mostly one process
+    importing Python at a time, so on two cores two servers start in little more than the
+    time of one."""
+    try:
+        for server in servers.values():
+            server.launch()
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
 
 
 class VLLMServer:
