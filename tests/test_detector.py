@@ -260,3 +260,25 @@ def test_the_batched_path_reports_old_values_with_or_without_a_host_mirror(dtype
         assert_exact(detector.changes(), before, after)
         before = after
     detector.close()
+
+
+def test_a_parameter_the_optimizer_does_not_hold_is_compared_whole(seeded):
+    """A frozen parameter moved outside the optimizer (ERNIE-4.5-MoE's router
+    `moe_statics.e_score_correction_bias` is an `nn.Parameter` with `requires_grad=False`,
+    which auxiliary-loss-free balancing updates by hand) is published like a buffer."""
+    model = TwoTower(torch.float32)
+    frozen = model.get_parameter("frozen.weight")  # requires_grad=False, so not in the optimizer
+    optimizer = make_optimizer("adamw", model, lr=1e-4)
+    detector = BF16ChangeDetector(model, optimizer)
+    before = bf16_state(model)
+    train_step(model, optimizer, seed=0, use_side=False)
+    with torch.no_grad():
+        frozen[0, :3] += 1.0
+    assert_exact(detector.changes(), before, bf16_state(model))
+    assert "frozen.weight" in expected_changes(before, bf16_state(model))
+    before = bf16_state(model)
+    with torch.no_grad():  # no step at all: the next changes() still sees it
+        frozen[1, :2] -= 1.0
+    change_set = detector.changes()
+    assert sorted(change_set.changes) == ["frozen.weight"]
+    assert_exact(change_set, before, bf16_state(model))

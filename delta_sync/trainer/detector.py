@@ -259,8 +259,18 @@ class BF16ChangeDetector:
 
     def _index_names(self, *, strict: bool) -> None:
         self._params = checkpoint_tensors(self.model, self.merged)
-        # Buffers change outside optimizer steps, if at all: compared at every `changes()`.
-        self._buffer_names = {name for name, tensor in self._params.items() if not isinstance(tensor, nn.Parameter)}
+        # What no optimizer hook sees changes outside optimizer steps, if at all (buffers, and
+        # parameters the optimizer does not hold, e.g. a frozen router bias that auxiliary-loss-
+        # free balancing moves): compared whole at every `changes()`. A PEFT model's frozen base
+        # weights change through the adapter parameters that own them.
+        held = None
+        if self.optimizer is not None and self.merged is None:
+            held = {id(param) for param in self._optimizer_params()}
+        self._unhooked_names = {
+            name
+            for name, tensor in self._params.items()
+            if not isinstance(tensor, nn.Parameter) or (held is not None and id(tensor) not in held)
+        }
         if self.merged is not None:
             # LoRA parameters map to the served weight they change; base weights to theirs.
             self._names = dict(self.merged.owners)
@@ -381,7 +391,7 @@ class BF16ChangeDetector:
             int64 for parameters of 2^31 or more elements), new values and old values.
         """
         with self.snapshot_lock:
-            names = sorted(self._touched | (self._buffer_names & self._snapshot.keys()))
+            names = sorted(self._touched | (self._unhooked_names & self._snapshot.keys()))
             found, declined = {}, {}
             # The pool threads queue their device work on the caller's streams: a loop that
             # trains under `torch.cuda.stream(s)` has its weights written on `s`.
