@@ -47,46 +47,55 @@ def served_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def vllm_server(served_model, bucket_root, hub_server, tmp_path_factory):
+def session_servers(served_model, bucket_root, hub_server, tmp_path_factory):
+    """The two real servers every vLLM module shares, launched together at the first test
+    that needs either (see `vllm_server.launched`)."""
     from bucket_fixtures import HF_TOKEN, XET_RETRY_ENV
 
-    from vllm_server import VLLM_HF_BUCKET, serving
+    from vllm_server import API_TOKEN, SIGNING_KEY, VLLM_HF_BUCKET, launched, server_in
 
     logs = tmp_path_factory.mktemp("vllm")
-    with serving(
-        served_model,
-        logs,
-        allowed_buckets=f"{bucket_root.as_uri()},hf://buckets/{VLLM_HF_BUCKET}",
-        # The replica reaches the Hugging Face bucket through the Hub test double, like a user's would.
-        extra_env={
-            "HF_ENDPOINT": hub_server.endpoint,
-            "HF_TOKEN": HF_TOKEN,
-            "HF_XET_CACHE": str(logs / "xet"),
-            "DELTA_SYNC_RETRY_SECONDS": "10",
+    servers = {
+        "open": server_in(
+            logs,
+            served_model,
+            allowed_buckets=f"{bucket_root.as_uri()},hf://buckets/{VLLM_HF_BUCKET}",
+            # The replica reaches the Hugging Face bucket through the Hub test double, like a user's would.
+            extra_env={
+                "HF_ENDPOINT": hub_server.endpoint,
+                "HF_TOKEN": HF_TOKEN,
+                "HF_XET_CACHE": str(logs / "xet"),
+                "DELTA_SYNC_RETRY_SECONDS": "10",
+                # Prefetch on hints only, so that a test decides when a version is prepared.
+                "DELTA_SYNC_PREFETCH": "3600",
+                **XET_RETRY_ENV,
+            },
+        ),
+        "guarded": server_in(
+            tmp_path_factory.mktemp("vllm-guarded"),
+            served_model,
+            allowed_buckets=bucket_root.as_uri(),
+            api_token=API_TOKEN,
             # Prefetch on hints only, so that a test decides when a version is prepared.
-            "DELTA_SYNC_PREFETCH": "3600",
-            **XET_RETRY_ENV,
-        },
-    ) as server:
-        yield server
+            extra_env={"DELTA_SYNC_VERIFY_KEY": SIGNING_KEY.verify_key.pem.decode(), "DELTA_SYNC_PREFETCH": "3600"},
+        ),
+    }
+    with launched(servers):
+        yield servers
 
 
 @pytest.fixture(scope="session")
-def guarded_server(served_model, bucket_root, tmp_path_factory):
+def vllm_server(session_servers):
+    """A real server that trusts the test buckets (local, and Hugging Face through the Hub test double)."""
+    return session_servers["open"].wait_healthy()
+
+
+@pytest.fixture(scope="session")
+def guarded_server(session_servers):
     """A second real server, shared by the modules that need it: its weight routes need
     `vllm_server.API_TOKEN` (`vllm_ext.auth`), and it applies only versions signed with
     `vllm_server.SIGNING_KEY`. The unguarded one above stays for clients that send no token."""
-    from vllm_server import API_TOKEN, SIGNING_KEY, serving
-
-    with serving(
-        served_model,
-        tmp_path_factory.mktemp("vllm-guarded"),
-        allowed_buckets=bucket_root.as_uri(),
-        api_token=API_TOKEN,
-        # Prefetch on hints only, so that a test decides when a version is prepared.
-        extra_env={"DELTA_SYNC_VERIFY_KEY": SIGNING_KEY.verify_key.pem.decode(), "DELTA_SYNC_PREFETCH": "3600"},
-    ) as server:
-        yield server
+    return session_servers["guarded"].wait_healthy()
 
 
 @pytest.fixture

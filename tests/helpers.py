@@ -179,6 +179,61 @@ def cli(*args: str, timeout: float = 300, **options) -> subprocess.CompletedProc
     return subprocess.run([sys.executable, "-m", "delta_sync.cli", *args], text=True, timeout=timeout, **options)
 
 
+#: Modules a fork server imports once for [`run_script`]'s children.
+SCRIPT_PRELOAD = ["torch", "delta_sync", "delta_sync.trainer.publisher", "delta_sync.replica.shared"]
+
+
+def run_script(script: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS` to completion, as a child of a fork server that has imported
+    `SCRIPT_PRELOAD` once: a real process of its own (its own memory; a SIGKILL ends it
+    alone, `returncode` -9), without the seconds a fresh interpreter spends importing torch.
+    For scripts run many times over (the crash tests kill one at each of its operations).
+
+    Returns:
+        What `subprocess.run(..., capture_output=True, text=True)` would: the exit code and
+        the output as text.
+    """
+    import multiprocessing
+    import tempfile
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(SCRIPT_PRELOAD)
+    with tempfile.TemporaryDirectory(prefix="script-output-") as directory:
+        out, err = Path(directory, "stdout"), Path(directory, "stderr")
+        child = context.Process(target=_script_main, args=(str(script), list(args), str(out), str(err)))
+        child.start()
+        child.join(timeout)
+        if child.exitcode is None:
+            child.kill()
+            child.join()
+            raise subprocess.TimeoutExpired([str(script), *args], timeout)
+        return subprocess.CompletedProcess(
+            [str(script), *args], child.exitcode, out.read_text(errors="replace"), err.read_text(errors="replace")
+        )
+
+
+def _script_main(script: str, args: list[str], out: str, err: str) -> None:
+    """[`run_script`]'s child: the script as `__main__`, its output to the two files."""
+    import runpy
+
+    for path, fd in ((out, 1), (err, 2)):
+        with open(path, "wb") as file:
+            os.dup2(file.fileno(), fd)
+    sys.argv = [script, *args]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        sys.stdout.flush()
+        raise exc
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+
+
 def uneven_qwen3_config():
     """A tiny Qwen3 config whose widths divide evenly by no rank count (vocabulary 301, width
     50, MLP 70); head_dim 2 makes the q/k norms 2 elements, which leaves a third rank an

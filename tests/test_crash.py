@@ -10,7 +10,6 @@ import importlib.util
 import shutil
 import signal
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from delta_sync.errors import DeltaSyncError
 from delta_sync.integrity import model_checksum, tensor_checksum
 from delta_sync.replica.shared import NodeStore
 
-from helpers import raw_bits
+from helpers import raw_bits, run_script
 from two_tower import PublishedRun, TwoTower
 
 pytestmark = pytest.mark.slow
@@ -38,8 +37,7 @@ def _load_script():
 
 
 def run(bucket: Path, phase: str, crash_at: int | None = None) -> subprocess.CompletedProcess:
-    args = [sys.executable, str(SCRIPT), str(bucket), phase] + ([str(crash_at)] if crash_at else [])
-    return subprocess.run(args, capture_output=True, text=True, timeout=300)
+    return run_script(SCRIPT, str(bucket), phase, *([str(crash_at)] if crash_at else []))
 
 
 @pytest.fixture(scope="module")
@@ -138,8 +136,7 @@ def test_a_replica_killed_at_every_write_of_the_node_snapshot_recovers(tmp_path)
     run.close()
 
     def write(snapshot_dir: Path, crash_at: int | None = None) -> subprocess.CompletedProcess:
-        args = [sys.executable, str(SNAPSHOT_WRITER), str(run.root), str(snapshot_dir)]
-        return subprocess.run(args + ([str(crash_at)] if crash_at else []), capture_output=True, text=True, timeout=300)
+        return run_script(SNAPSHOT_WRITER, str(run.root), str(snapshot_dir), *([str(crash_at)] if crash_at else []))
 
     probe = write(tmp_path / "probe")
     assert probe.returncode == 0, probe.stderr[-3000:]

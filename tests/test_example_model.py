@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -18,10 +16,6 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-
-from helpers import REPO
-
-EXAMPLE = REPO / "examples" / "grpo_delta_sync.py"
 
 #: Tiny and fast: two layers of width 128, two attention heads of 64 sharing one KV head,
 #: four experts (two per token) in a mixture of experts.
@@ -182,27 +176,29 @@ def test_model_and_base_model_dir_exclude_each_other(capsys):
     assert "not allowed with argument" in capsys.readouterr().err
 
 
-def run_example(checkpoint: Path, bucket: Path, cwd: Path, encoding: str = "raw") -> str:
-    """Runs the example on `checkpoint` for three steps (anchors at v1 and v3); its output."""
+def run_example(checkpoint: Path, bucket: Path, cwd: Path, capsys, encoding: str = "raw") -> str:
+    """Runs the example's `main` on `checkpoint` for three steps (anchors at v1 and v3); what it
+    printed. In this process: the rows share its imports (the example as a script is run by
+    tests/test_readme.py and tests/test_fleet.py)."""
+    from grpo_delta_sync import main
+
     args = ["--model", str(checkpoint), "--bucket", str(bucket), "--steps", "3", "--anchor-every", "2"]
-    args += ["--encoding", encoding]
-    result = subprocess.run([sys.executable, str(EXAMPLE), *args], cwd=cwd, capture_output=True, text=True, timeout=900)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-6000:]
+    args += ["--encoding", encoding, "--output-dir", str(cwd / "trainer")]
+    capsys.readouterr()
+    status = main(args)
+    output = capsys.readouterr().out
+    assert status == 0, output[-6000:]
     assert re.search(r"replica checks\s+3\n", output), output[-3000:]
     assert re.search(r"replica bit-exact\s+yes", output), output[-3000:]
     return output
 
 
 def assert_bucket_verifies(bucket: Path) -> None:
-    verify = subprocess.run(
-        [str(Path(sys.executable).parent / "delta-sync"), "verify", str(bucket)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert verify.returncode == 0, verify.stdout + verify.stderr
-    assert "verification passed (latest v3, replayed v3)" in verify.stdout
+    from delta_sync import verify_bucket
+
+    report = verify_bucket(str(bucket))
+    assert report.ok, report
+    assert (report.latest_version, report.replayed_version) == (3, 3), report
 
 
 def replay(bucket: Path, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -240,11 +236,13 @@ def assert_loads_as_its_checkpoint(replayed: dict[str, torch.Tensor], checkpoint
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("family", "encoding"), ROWS)
-def test_the_example_trains_a_checkpoint_and_its_bucket_is_save_pretrained(family, encoding, checkpoints, tmp_path):
+def test_the_example_trains_a_checkpoint_and_its_bucket_is_save_pretrained(
+    family, encoding, checkpoints, tmp_path, capsys
+):
     checkpoint = checkpoints[family]
     saved = load_file(str(checkpoint / "model.safetensors"))
     bucket = tmp_path / "deltas"
-    output = run_example(checkpoint, bucket, tmp_path, encoding)
+    output = run_example(checkpoint, bucket, tmp_path, capsys, encoding)
     # The checkpoint's size, not the built-in model's: the table shows which model was trained.
     parameters = sum(tensor.numel() for tensor in saved.values())
     assert re.search(rf"full bf16 model\s+{2 * parameters:,} bytes", output), output[-3000:]

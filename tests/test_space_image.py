@@ -98,13 +98,12 @@ def image_exists(tag: str) -> bool:
     return podman("image", "exists", tag, check=False).returncode == 0
 
 
-@pytest.fixture(scope="module")
-def space_image(tmp_path_factory) -> str:
-    for tool in ("podman", "runc", "mmdebstrap"):
-        if shutil.which(tool) is None:
-            cannot_run(f"{tool} is not installed (apt-get install podman buildah mmdebstrap runc)")
-    started = time.monotonic()
-    work = tmp_path_factory.mktemp("space-build")
+def build_space_image(work: Path) -> str:
+    """The Space's image, over the CPU stand-in for vLLM's image and the Debian base under it,
+    built where podman's cache does not hold them already; its tag.
+
+    `.ci/run` calls this (`python tests/test_space_image.py`) while its lanes run, so that the
+    test's own build finds every layer in podman's cache."""
     base = f"localhost/delta-sync-space-debian:{digest('bookworm', BASE_PACKAGES)}"
     if not image_exists(base):
         rootfs = work / "rootfs.tar"
@@ -115,6 +114,7 @@ def space_image(tmp_path_factory) -> str:
             timeout=1200,
         )
         podman("import", str(rootfs), base, timeout=600)
+        rootfs.unlink()
     try:
         podman("run", "--rm", *PODMAN_RUN, "--network", "none", base, "true", timeout=120)
     except RuntimeError as exc:
@@ -135,6 +135,16 @@ def space_image(tmp_path_factory) -> str:
             shutil.copy2(source, target)
     tag = "localhost/delta-sync-space-rollout:test"
     build(tag, context, context / "Dockerfile", "--build-arg", f"BASE_IMAGE={standin}")
+    return tag
+
+
+@pytest.fixture(scope="module")
+def space_image(tmp_path_factory) -> str:
+    for tool in ("podman", "runc", "mmdebstrap"):
+        if shutil.which(tool) is None:
+            cannot_run(f"{tool} is not installed (apt-get install podman buildah mmdebstrap runc)")
+    started = time.monotonic()
+    tag = build_space_image(tmp_path_factory.mktemp("space-build"))
     print(f"Space image built in {time.monotonic() - started:.0f} s")
     return tag
 
@@ -276,3 +286,10 @@ def test_the_space_image_serves_follows_and_stops(space_image, tmp_path):
         trainer.close()
     # A clean stop: start.sh ends the server and the follower on SIGTERM, well before podman's SIGKILL.
     assert exit_code == "0" and stop_seconds < 60, f"exit code {exit_code} after {stop_seconds:.0f} s:\n{output}"
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="space-base-") as directory:
+        print(build_space_image(Path(directory)))

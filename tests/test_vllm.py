@@ -620,18 +620,33 @@ def test_the_trainer_side_sends_the_token_in_its_headers(guarded_server, trainer
 
 
 @pytest.fixture(scope="module")
-def fault_server(served_model, bucket_root, tmp_path_factory):
-    from vllm_server import serving
+def module_servers(served_model, tied_model, bucket_root, tmp_path_factory):
+    """The servers of this module's last tests, launched together at the first of them (see
+    `vllm_server.launched`): one with a test double of the extension, one in bf16, one of a
+    model whose lm_head is tied to its embedding."""
+    from vllm_server import launched, server_in
 
-    with serving(
-        served_model,
-        tmp_path_factory.mktemp("vllm-load-faults"),
-        allowed_buckets=bucket_root.as_uri(),
-        # The server imports the test double from tests/; updates prepare inline.
-        extra_env={"PYTHONPATH": str(REPO / "tests"), "DELTA_SYNC_PREFETCH": "off"},
-        extra_args=["--worker-extension-cls", "load_fault_extension.LoadFaultExtension"],
-    ) as server:
-        yield server
+    servers = {
+        "faults": server_in(
+            tmp_path_factory.mktemp("vllm-load-faults"),
+            served_model,
+            allowed_buckets=bucket_root.as_uri(),
+            # The server imports the test double from tests/; updates prepare inline.
+            extra_env={"PYTHONPATH": str(REPO / "tests"), "DELTA_SYNC_PREFETCH": "off"},
+            extra_args=["--worker-extension-cls", "load_fault_extension.LoadFaultExtension"],
+        ),
+        "bf16": server_in(
+            tmp_path_factory.mktemp("vllm-bf16"), served_model, allowed_buckets=bucket_root.as_uri(), dtype="bfloat16"
+        ),
+        "tied": server_in(tmp_path_factory.mktemp("vllm-tied"), tied_model, allowed_buckets=bucket_root.as_uri()),
+    }
+    with launched(servers):
+        yield servers
+
+
+@pytest.fixture(scope="module")
+def fault_server(module_servers):
+    return module_servers["faults"].wait_healthy()
 
 
 IN_PLACE_LINE = re.compile(
@@ -776,13 +791,8 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj
 
 
 @pytest.fixture(scope="module")
-def bf16_server(served_model, bucket_root, tmp_path_factory):
-    from vllm_server import serving
-
-    with serving(
-        served_model, tmp_path_factory.mktemp("vllm-bf16"), allowed_buckets=bucket_root.as_uri(), dtype="bfloat16"
-    ) as server:
-        yield server
+def bf16_server(module_servers):
+    return module_servers["bf16"].wait_healthy()
 
 
 def runtime_digests(weights: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -850,11 +860,8 @@ def tied_model(served_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tied_server(tied_model, bucket_root, tmp_path_factory):
-    from vllm_server import serving
-
-    with serving(tied_model, tmp_path_factory.mktemp("vllm-tied"), allowed_buckets=bucket_root.as_uri()) as server:
-        yield server
+def tied_server(module_servers):
+    return module_servers["tied"].wait_healthy()
 
 
 def test_a_tied_lm_head_computes_with_the_embedding_just_written(tied_server, tied_model, bucket_root):

@@ -174,55 +174,77 @@ def test_a_tensor_parallel_server_following_per_expert_deltas_serves_the_saved_c
 def follow_then_compare(model, bucket_root, tmp_path, **options) -> None:
     """A server on `model` follows a bucket the trainer publishes (anchors, deltas, then a
     delta of one expert); its greedy tokens and prompt logprobs must equal those of a server
-    started, with the same `options`, on `save_pretrained` of the trained model."""
+    started, with the same `options`, on `save_pretrained` of the trained model.
+
+    The two servers start while other work goes on (the follower while the trainer trains,
+    the fresh one while the follower follows): a start is mostly one process importing
+    Python, which leaves the other core free."""
     from transformers import AutoTokenizer
 
-    from vllm_server import serving
+    from vllm_server import VLLMServer
 
+    def server(checkpoint, name: str) -> VLLMServer:
+        (tmp_path / name).mkdir()
+        logs = tmp_path / name
+        return VLLMServer(
+            checkpoint,
+            allowed_buckets=bucket_root.as_uri(),
+            log_path=logs / "server.log",
+            cache_dir=logs / "cache",
+            **options,
+        )
+
+    follower, fresh = server(model, "follower").launch(), None
     trainer = TinyTrainer(model, bucket_root / tmp_path.name, lr=1e-3)
-    for logs in ("follower", "fresh"):
-        (tmp_path / logs).mkdir()
     try:
-        with serving(model, tmp_path / "follower", allowed_buckets=bucket_root.as_uri(), **options) as follower:
-            for _ in range(4):
-                version = trainer.step()
-                report = trainer.publisher.reports[-1]
-                response = follower.update(trainer.bucket, report.delta or report.anchor)
-                assert response.status_code == 200, response.text
-                for status in follower.rpc("delta_sync_status"):
-                    assert status["version"] == version and status["model_checksum"] == report.model_checksum
-            # A delta of one expert: the server must rebuild that layer from all its experts.
-            fused = next(name for name, _ in trainer.model.named_parameters() if name.endswith("experts.gate_up_proj"))
-            with torch.no_grad():
-                trainer.model.get_parameter(fused)[0].mul_(-1.5)
-            trainer.detector.mark_changed([fused])
-            version = trainer.publish()
-            report = trainer.publisher.reports[-1]
-            changed = read_file(trainer.publisher.bucket.local_path(report.delta)).changes
-            checkpoint = trainer.detector.checkpoint.shapes
-            per_expert = any(".experts.0." in name for name in checkpoint)
-            if per_expert:  # one tensor per expert in the checkpoint: only expert 0's changed
-                assert changed and all(".experts.0." in name for name in changed), sorted(changed)
-                assert not any(name.endswith("gate_up_proj") for name in checkpoint)
-            else:  # every expert in one checkpoint tensor
-                assert list(changed) == [fused], sorted(changed)
-            (layer,) = {_experts_of(name) for name in changed}
-            assert follower.update(trainer.bucket, report.delta).status_code == 200
-            for status in follower.rpc("delta_sync_status"):
-                assert status["model_checksum"] == report.model_checksum
-            followed = follower.greedy(PROMPT), follower.prompt_logprobs(PROMPT)
-            # The layer was reloaded with all its experts' tensors (four experts, three
-            # projections), not only the changed ones.
-            loads = re.findall(r"reloaded (\d+) whole", follower.log_tail(10**9))
-            group = [name for name in checkpoint if _experts_of(name) == layer]
-            assert loads and loads[-1] == str(len(group)), (loads, group)
+        published = []
+        for _ in range(4):
+            trainer.step()
+            published.append(trainer.publisher.reports[-1])
+        # A delta of one expert: the server must rebuild that layer from all its experts.
+        fused = next(name for name, _ in trainer.model.named_parameters() if name.endswith("experts.gate_up_proj"))
+        with torch.no_grad():
+            trainer.model.get_parameter(fused)[0].mul_(-1.5)
+        trainer.detector.mark_changed([fused])
+        trainer.publish()
+        one_expert = trainer.publisher.reports[-1]
+        changed = read_file(trainer.publisher.bucket.local_path(one_expert.delta)).changes
+        checkpoint = trainer.detector.checkpoint.shapes
+        per_expert = any(".experts.0." in name for name in checkpoint)
+        if per_expert:  # one tensor per expert in the checkpoint: only expert 0's changed
+            assert changed and all(".experts.0." in name for name in changed), sorted(changed)
+            assert not any(name.endswith("gate_up_proj") for name in checkpoint)
+        else:  # every expert in one checkpoint tensor
+            assert list(changed) == [fused], sorted(changed)
+        (layer,) = {_experts_of(name) for name in changed}
         saved = tmp_path / "saved"
         trainer.model.to(torch.bfloat16).save_pretrained(saved)
         AutoTokenizer.from_pretrained(model).save_pretrained(saved)
-        with serving(saved, tmp_path / "fresh", allowed_buckets=bucket_root.as_uri(), **options) as fresh:
-            assert (fresh.greedy(PROMPT), fresh.prompt_logprobs(PROMPT)) == followed
+        fresh = server(saved, "fresh").launch()
+
+        follower.wait_healthy()
+        for version, report in enumerate(published, start=1):
+            response = follower.update(trainer.bucket, report.delta or report.anchor)
+            assert response.status_code == 200, response.text
+            for status in follower.rpc("delta_sync_status"):
+                assert status["version"] == version and status["model_checksum"] == report.model_checksum
+        assert follower.update(trainer.bucket, one_expert.delta).status_code == 200
+        for status in follower.rpc("delta_sync_status"):
+            assert status["model_checksum"] == one_expert.model_checksum
+        followed = follower.greedy(PROMPT), follower.prompt_logprobs(PROMPT)
+        # The layer was reloaded with all its experts' tensors (four experts, three
+        # projections), not only the changed ones.
+        loads = re.findall(r"reloaded (\d+) whole", follower.log_tail(10**9))
+        group = [name for name in checkpoint if _experts_of(name) == layer]
+        assert loads and loads[-1] == str(len(group)), (loads, group)
+
+        fresh.wait_healthy()
+        assert (fresh.greedy(PROMPT), fresh.prompt_logprobs(PROMPT)) == followed
     finally:
         trainer.close()
+        for started in (follower, fresh):
+            if started is not None:
+                started.stop()
 
 
 def _experts_of(name: str) -> str | None:
