@@ -195,7 +195,8 @@ def follow_then_compare(model, bucket_root, tmp_path, **options) -> None:
         )
 
     follower, fresh = server(model, "follower").launch(), None
-    trainer = TinyTrainer(model, bucket_root / tmp_path.name, lr=1e-3)
+    # Every version is published before the follower takes the first: none may be pruned.
+    trainer = TinyTrainer(model, bucket_root / tmp_path.name, lr=1e-3, keep_anchors=10)
     try:
         published = []
         for _ in range(4):
