@@ -213,25 +213,15 @@ def run_script(script: Path, *args: str, timeout: float = 300) -> subprocess.Com
 
 
 def _script_main(script: str, args: list[str], out: str, err: str) -> None:
-    """[`run_script`]'s child: the script as `__main__`, its output to the two files."""
+    """[`run_script`]'s child: the script as `__main__`, its output to the two files
+    (multiprocessing prints an exception's traceback, flushes both and sets the exit code)."""
     import runpy
 
     for path, fd in ((out, 1), (err, 2)):
         with open(path, "wb") as file:
             os.dup2(file.fileno(), fd)
     sys.argv = [script, *args]
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as exc:
-        sys.stdout.flush()
-        raise exc
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
+    runpy.run_path(script, run_name="__main__")
 
 
 def uneven_qwen3_config():
