@@ -181,21 +181,16 @@ def follow_then_compare(model, bucket_root, tmp_path, **options) -> None:
     Python, which leaves the other core free."""
     from transformers import AutoTokenizer
 
-    from vllm_server import VLLMServer
+    from vllm_server import VLLMServer, server_in
 
     def server(checkpoint, name: str) -> VLLMServer:
         (tmp_path / name).mkdir()
-        logs = tmp_path / name
         # Prefetch on hints only: every version is in the bucket before the follower takes the
         # first, and a prefetch of the newest would move the node snapshot past the versions
         # posted after it (tensor-parallel workers share it).
         extra_env = {"DELTA_SYNC_PREFETCH": "3600", **options.get("extra_env", {})}
-        return VLLMServer(
-            checkpoint,
-            allowed_buckets=bucket_root.as_uri(),
-            log_path=logs / "server.log",
-            cache_dir=logs / "cache",
-            **{**options, "extra_env": extra_env},
+        return server_in(
+            tmp_path / name, checkpoint, allowed_buckets=bucket_root.as_uri(), **{**options, "extra_env": extra_env}
         )
 
     follower, fresh = server(model, "follower").launch(), None
