@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from filelock import FileLock
 
 from helpers import REPO, free_port, wait_for
 
@@ -103,7 +104,13 @@ def build_space_image(work: Path) -> str:
     built where podman's cache does not hold them already; its tag.
 
     `.ci/run` calls this (`python tests/test_space_image.py`) while its lanes run, so that the
-    test's own build finds every layer in podman's cache."""
+    test's own build finds every layer in podman's cache; one build at a time (the test
+    waits for that one)."""
+    with FileLock(str(REPO / ".space-image.lock")):
+        return _build_space_image(work)
+
+
+def _build_space_image(work: Path) -> str:
     base = f"localhost/delta-sync-space-debian:{digest('bookworm', BASE_PACKAGES)}"
     if not image_exists(base):
         rootfs = work / "rootfs.tar"

@@ -57,7 +57,8 @@ def _run(args: list[str], **kwargs) -> None:
 
 @functools.cache
 def vllm_python() -> Path:
-    """Python of the vLLM environment, creating the environment if needed (minutes, once)."""
+    """Python of the vLLM environment, creating the environment and compiling the package's
+    numba passes in it if needed (minutes, once)."""
     python = ENV_DIR / "bin" / "python"
     marker = ENV_DIR / ".spec.json"
     pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
@@ -71,6 +72,13 @@ def vllm_python() -> Path:
         else:
             # Cheap when nothing changed; picks up new dependencies of this package.
             _run(pip + ["-e", f"{REPO}[trainer]"], timeout=1800)
+        # numba's cache of the package's compiled passes for this environment's numba (vLLM
+        # pins its own): compiled here, under the lock, rather than by the first servers at
+        # once, each in its engine's start (minutes); loaded in seconds once there.
+        _run(
+            [str(python), "-c", "from delta_sync.replica.compiled import load_compiled_passes; load_compiled_passes()"],
+            timeout=1800,
+        )
     return python
 
 
@@ -150,7 +158,6 @@ class VLLMServer:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", token_env)}
         env.update(
             VLLM_SERVER_DEV_MODE="1",
-            VLLM_CPU_KVCACHE_SPACE="1",
             DELTA_SYNC_ALLOWED_BUCKETS=allowed_buckets,
             DELTA_SYNC_CACHE=str(cache_dir),
             TOKENIZERS_PARALLELISM="false",
@@ -170,6 +177,10 @@ class VLLMServer:
             dtype,
             "--max-model-len",
             "512",
+            # Room for a few hundred 512-token sequences of these tiny models, and no more: the
+            # suite's servers run side by side, on a machine of 24 GiB.
+            "--kv-cache-memory-bytes",
+            str(256 << 20),
             "--enforce-eager",
             "--seed",
             "0",
