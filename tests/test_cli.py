@@ -110,6 +110,21 @@ def test_verify_fails_on_stored_versions_that_were_never_published(bucket, tmp_p
     )
 
 
+def test_verify_says_once_that_latest_json_cannot_be_read(bucket, tmp_path):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(bucket, damaged)
+    pointer = damaged / "latest.json"
+    pointer.write_bytes(pointer.read_bytes() + b" " * (2 << 20))  # past the pointer's size limit
+    result = cli("verify", str(damaged))
+    assert result.returncode == 1, result.stdout
+    failed = [line for line in result.stdout.splitlines() if line.startswith("FAIL")]
+    assert failed == [
+        f"FAIL  latest.json: {damaged.as_uri()}/latest.json: {pointer.stat().st_size} bytes is too large for a "
+        "latest.json pointer",
+        "FAIL  anchors/, deltas/: not replayed: a replica reads latest.json before it applies any file",
+    ], result.stdout
+
+
 @pytest.fixture(scope="module")
 def overflowing(tmp_path_factory):
     """A compact bucket (anchor v1, delta v2) and copies of its delta whose streams once

@@ -68,7 +68,8 @@ def verify_bucket(
     last version reached and its checksum. A file that fails is reported and the replay
     goes on: the deltas after it fail against the version held, and the next anchor
     restarts the chain. Nothing a bucket holds stops the verification early, except a
-    listing that fails. Files of versions past `latest.json` (stored, not yet published,
+    listing that fails and a `latest.json` that cannot be read (reported once: a replica
+    reads it before it applies any file, so none is replayed). Files of versions past `latest.json` (stored, not yet published,
     e.g. by a trainer that crashed in between) are listed and ignored. A check never
     passes on nothing: a path without `latest.json` (a typo, an empty directory, a run
     that has published nothing yet) fails. A bucket published in adapter mode
@@ -104,17 +105,19 @@ def verify_bucket(
         report.add(LATEST, False, problem)
         return report
     except Exception as exc:
+        # Said once: a replica reads the pointer before it applies any file, so every file
+        # would fail on it again.
         report.add(LATEST, False, _problem(exc))
-        latest = None
-    if latest is not None and latest.adapter is not None:
+        report.add("anchors/, deltas/", False, "not replayed: a replica reads latest.json before it applies any file")
+        return report
+    if latest.adapter is not None:
         _verify_adapters(report, opened, latest, verify_key, progress)
         return report
-    if latest is not None:
-        ahead = sorted(v for v in {*anchors, *deltas} if v > latest.version)
-        if ahead:
-            report.add("anchors/, deltas/", True, f"versions {ahead} are stored but not published yet: ignored")
-        anchors = {v: path for v, path in anchors.items() if v <= latest.version}
-        deltas = {v: path for v, path in deltas.items() if v <= latest.version}
+    ahead = sorted(v for v in {*anchors, *deltas} if v > latest.version)
+    if ahead:
+        report.add("anchors/, deltas/", True, f"versions {ahead} are stored but not published yet: ignored")
+    anchors = {v: path for v, path in anchors.items() if v <= latest.version}
+    deltas = {v: path for v, path in deltas.items() if v <= latest.version}
     if not anchors:
         report.add("anchors/", False, "no anchor in the bucket")
         return report
@@ -131,17 +134,14 @@ def verify_bucket(
             if version in anchors:
                 _compare_anchor(report, receiver, opened, version, anchors[version])
         report.replayed_version = receiver.version
-        if latest is not None:
-            ok = receiver.version == latest.version and receiver.model_checksum == latest.model_checksum
-            if receiver.version is None:
-                reached = "no version (no anchor could be loaded)"
-            else:
-                reached = f"version {receiver.version} with checksum {receiver.model_checksum}"
-            report.add(
-                LATEST,
-                ok,
-                f"names version {latest.version}" + ("" if ok else f", but the replay reached {reached}"),
-            )
+        ok = receiver.version == latest.version and receiver.model_checksum == latest.model_checksum
+        if receiver.version is None:
+            reached = "no version (no anchor could be loaded)"
+        else:
+            reached = f"version {receiver.version} with checksum {receiver.model_checksum}"
+        report.add(
+            LATEST, ok, f"names version {latest.version}" + ("" if ok else f", but the replay reached {reached}")
+        )
     return report
 
 
