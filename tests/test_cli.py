@@ -161,6 +161,7 @@ def test_verify_refuses_streams_that_once_overflowed_the_decoder(overflowing, tm
         assert failed[0].startswith(f"FAIL  {delta_path(2)}: ") and name in failed[0] and PAST_SLOTS in failed[0]
         assert failed[1].startswith("FAIL  latest.json: names version 2")
         assert "verification FAILED (latest v2, replayed v1)" in result.stdout
+        assert "refused" not in result.stderr, result.stderr  # one report per fault
 
 
 def test_a_receiver_refuses_streams_that_once_overflowed_and_keeps_its_version(overflowing, tmp_path):

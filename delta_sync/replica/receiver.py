@@ -726,15 +726,18 @@ class Receiver:
             else:
                 self._prepare_anchor(file, pending)
         except DeltaSyncError as exc:
-            held = self._store.held
-            logger.warning(
-                "delta-sync: refused %s: %s; still holding version %s",
-                file.header.source,
-                exc,
-                None if held is None else held.version,
-            )
+            self._report_refusal(file.header.source, exc)
             raise
         return tuple(pending.applied[applied:])
+
+    def _report_refusal(self, source: str, exc: DeltaSyncError) -> None:
+        """Log a refused file: a replica's log is where its operator sees it. (The error names
+        the file, as this library's errors do, or is given its name here.)"""
+        held = self._store.held
+        message = str(exc) if str(exc).startswith(source) else f"{source}: {exc}"
+        logger.warning(
+            "delta-sync: refused %s; still holding version %s", message, None if held is None else held.version
+        )
 
     def _already_held(self, version: int, run_id: str, epoch: str) -> bool:
         """Whether a version is one the snapshot already holds or has passed, on the same
