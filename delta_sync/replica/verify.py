@@ -69,12 +69,13 @@ def verify_bucket(
     goes on: the deltas after it fail against the version held, and the next anchor
     restarts the chain. Nothing a bucket holds stops the verification early, except a
     listing that fails and a `latest.json` that cannot be read (reported once: a replica
-    reads it before it applies any file, so none is replayed). Files of versions past `latest.json` (stored, not yet published,
-    e.g. by a trainer that crashed in between) are listed and ignored. A check never
-    passes on nothing: a path without `latest.json` (a typo, an empty directory, a run
-    that has published nothing yet) fails. A bucket published in adapter mode
-    (`latest.json` names an adapter) has no chain: each stored adapter version is fetched
-    as a replica fetches it, and the newest must be the one `latest.json` records.
+    reads it before it applies any file, so none is replayed). Files of versions past
+    `latest.json` (stored, not yet published, e.g. by a trainer that crashed in between) are
+    listed and ignored. A check never passes on nothing: a path without `latest.json` (a
+    typo, an empty directory, a run that has published nothing yet) fails. A bucket
+    published in adapter mode (`latest.json` names an adapter) has no chain: each stored
+    adapter version is fetched as a replica fetches it, and the newest must be the one
+    `latest.json` records.
 
     Args:
         bucket: The bucket or its URL.
