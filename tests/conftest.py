@@ -27,6 +27,71 @@ def run(tmp_path):
 # Bucket backends (local, Hugging Face, S3) and their test servers.
 pytest_plugins = ["bucket_fixtures"]
 
+# -- how a parallel run (pytest-xdist) shares the tests out ------------------------------------
+
+#: The modules that share the session's two vLLM servers: one unit of work, so that one
+#: worker starts them.
+SESSION_SERVER_MODULES = {"test_vllm", "test_peft", "test_vllm_auth"}
+#: Modules whose tests share nothing worth keeping them on one worker (each a row with
+#: servers of its own): each test is a unit.
+SPREAD_MODULES = {"test_vllm_moe", "test_fleet"}
+#: The units that take longest on the 2-core CI machine (from the durations `.ci/run`
+#: prints), longest first: handed out first, so that no worker is left with a long one
+#: while the other has finished. The rest follow in the order collected.
+COSTLIEST_FIRST = [
+    "test_crash",
+    "test_distributed",
+    "test_gpu_check",
+    "test_deepspeed",
+    "test_benchmark",
+    "test_fuzz_decoders",
+    "test_buckets",
+    "vllm-session",
+    "tests/test_fleet.py::test_a_fleet_converges_with_a_late_joiner_a_restart_and_a_follower",
+    "test_bench_pause",
+    "test_readme",
+    "test_peft_adapter",
+    "test_vllm_versions",
+]
+
+
+def unit_of(nodeid: str) -> str:
+    """The unit of work a test belongs to: its module; the session servers' modules together;
+    each test of a `SPREAD_MODULES` module alone."""
+    module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+    if module in SESSION_SERVER_MODULES:
+        return "vllm-session"
+    return nodeid if module in SPREAD_MODULES else module
+
+
+def pytest_collection_modifyitems(config, items):
+    """The order units are handed out in (each worker collects the same): those that need no
+    vLLM environment first (CI builds it meanwhile), each half costliest first."""
+    units = {}
+    for item in items:
+        units.setdefault(unit_of(item.nodeid), []).append(item)
+    rank = {unit: position for position, unit in enumerate(COSTLIEST_FIRST)}
+
+    def order(unit: str) -> tuple[bool, int]:
+        needs_vllm = any(item.get_closest_marker("vllm") for item in units[unit])
+        return needs_vllm, rank.get(unit, len(rank))
+
+    items[:] = [item for unit in sorted(units, key=order) for item in units[unit]]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scheduling by scope (a unit at a time, in the order collected), with the scopes
+    of [`unit_of`]."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    return UnitScheduling(config, log)
+
+
 # -- a real vLLM server, shared by every test that needs one --------------------------------
 
 

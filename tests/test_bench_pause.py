@@ -135,6 +135,7 @@ def test_targets_pass_and_fail_on_their_limits(bench):
     assert missed["update_is_an_empty_rpc"]["worst_update_minus_start_seconds"] == pytest.approx(0.06)
 
 
+@pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.timeout(2700)  # the vLLM environment may be built first (minutes, once per clone)
 def test_bench_pause_quick_runs_a_real_server_end_to_end(tmp_path):

@@ -30,7 +30,7 @@ from vllm_server import (
     serving,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 #: How long the trainer waits for replicas after each version (the callback's `sync_timeout`).
 SYNC_TIMEOUT = 30.0

@@ -29,8 +29,10 @@ GROUPS = {
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("group", GROUPS)
 def test_decoders_refuse_hostile_input_without_crashing(group):
-    # A test that hangs (corrupted memory can deadlock) ends its process with the stacks dumped.
-    options = ["-v", "-p", "no:cacheprovider", "--timeout=240", "--timeout-method=thread", "-k", GROUPS[group]]
+    # A test that hangs (corrupted memory can deadlock) ends its process with the stacks dumped;
+    # in that one process (no workers of its own), whose output names the test it ran last.
+    options = ["-v", "-p", "no:cacheprovider", "-n", "0", "--timeout=240", "--timeout-method=thread"]
+    options += ["-k", GROUPS[group]]
     command = [sys.executable, "-m", "pytest", *options, str(FUZZER)]
     result = subprocess.run(command, cwd=FUZZER.parent.parent, capture_output=True, text=True, timeout=540)
     if "+ Timeout +" in result.stdout + result.stderr:

@@ -160,6 +160,7 @@ def test_grpo_with_lora_publishes_merge_and_unload_bit_exact(tmp_path, encoding)
     assert all(0 < report.changed_elements <= adapted_elements for report in sync.reports[1:])
 
 
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_serving_the_base_checkpoint_follows_a_lora_trainer(vllm_server, served_model, bucket_root, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer

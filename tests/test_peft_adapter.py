@@ -397,6 +397,7 @@ def server_greedy(server, model_name: str) -> list[int]:
     return response.json()["choices"][0]["token_ids"]
 
 
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_serves_each_adapter_version_in_place_and_catches_up_after_a_restart(
     lora_server, served_model, bucket_root
@@ -451,6 +452,7 @@ def test_vllm_serves_each_adapter_version_in_place_and_catches_up_after_a_restar
         replica.close()
 
 
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_refuses_unsigned_and_tampered_adapters_and_keeps_serving(
     lora_server, served_model, bucket_root, tmp_path
@@ -495,6 +497,7 @@ def test_vllm_refuses_unsigned_and_tampered_adapters_and_keeps_serving(
         replica.close()
 
 
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_grpo_generates_through_the_adapter_the_server_loads_for_it(lora_server, served_model, bucket_root, tmp_path):
     """TRL's GRPOTrainer in vLLM server mode, adapter mode: the callback publishes the

@@ -182,6 +182,7 @@ def test_reading_a_delta_by_hand_runs(run):
         assert namespace["weights"][name].view(-1).view(torch.int16).equal(tensor.view(-1).view(torch.int16)), name
 
 
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_every_vllm_server_line_parses_with_vllms_argument_parser():
     from vllm_server import vllm_python

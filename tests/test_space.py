@@ -97,6 +97,7 @@ def test_dockerfile_uses_the_vllm_image_and_existing_files():
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_server_command_parses_with_vllms_argument_parser(tmp_path):
     args = server_command(tmp_path, MODEL_ID="Qwen/Qwen3-0.6B", PORT="7860", VLLM_EXTRA_ARGS="--max-model-len 4096")
     assert args[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]

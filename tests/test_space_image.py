@@ -26,7 +26,7 @@ from filelock import FileLock
 
 from helpers import REPO, free_port, wait_for
 
-pytestmark = [pytest.mark.space, pytest.mark.slow]
+pytestmark = [pytest.mark.space, pytest.mark.slow, pytest.mark.vllm]
 
 SPACE = REPO / "spaces" / "vllm-rollout"
 STANDIN = REPO / "tests" / "space" / "Dockerfile.cpu"

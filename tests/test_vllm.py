@@ -39,7 +39,7 @@ from vllm_server import (
     vllm_python,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 
 def test_anchor_then_deltas_through_http(vllm_server, trainer):

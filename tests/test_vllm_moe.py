@@ -20,7 +20,7 @@ from delta_sync import read_file
 
 from vllm_server import PROMPT, TinyTrainer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 
 #: Attention as vLLM's CPU backend runs it (head_dim 64), shared by every row.

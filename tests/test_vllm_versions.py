@@ -32,6 +32,8 @@ from delta_sync.errors import DeltaSyncError
 
 from helpers import REPO
 
+pytestmark = pytest.mark.vllm
+
 #: The newest CUDA release `vllm_ext` is checked against, by its sources.
 VLLM_034 = "0.34.0"
 #: Where its wheel is unpacked (ignored by git, as every `.venv-*` directory).
