@@ -82,8 +82,8 @@ import transformers
 
 from delta_sync import BF16ChangeDetector, Publisher
 from delta_sync.changes import Encoding
+from delta_sync.checkpoint import CheckpointLayout
 from delta_sync.encodings import CODECS
-from delta_sync.trainer.checkpoint import CheckpointLayout
 from delta_sync.trainer.detector import ChangeSet
 
 ENCODINGS = ("raw", "compact")

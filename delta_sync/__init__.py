@@ -5,7 +5,8 @@ The package has three sides:
 * the wire format and its checks, shared by both ends: `format` (the one gate that decides
   whether a file is valid), `encodings` (how a delta's changes are stored, one codec per
   encoding), `layout` (where files live in a bucket), `integrity`
-  (checksums), `control` (the HTTP contract between trainer and vLLM replicas),
+  (checksums), `checkpoint` (a model's checkpoint, as `save_pretrained` writes it, in its
+  run-time tensors), `control` (the HTTP contract between trainer and vLLM replicas),
   `storage` (local, Hugging Face and S3 buckets), `errors`;
 * the trainer side, `delta_sync.trainer`: [`BF16ChangeDetector`], [`Publisher`] and
   [`DeltaSyncCallback`] for any `transformers.Trainer`, TRL's included;

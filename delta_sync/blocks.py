@@ -1,4 +1,5 @@
-"""`Block`: the part of a parameter that one trainer rank holds and publishes.
+"""`Block`: the part of a parameter that one trainer rank holds and publishes; `ParamShard`
+and `ModelLayout`: a rank's share of each parameter.
 
 Both ends use it: the trainer maps the positions of changed elements in its block to
 positions in the full checkpoint tensor, and a replica puts the blocks of an anchor's parts
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["Block"]
+__all__ = ["Block", "ModelLayout", "ParamShard"]
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,63 @@ class Block:
         if self.shape == full_shape:
             return None
         return lambda start, stop: self.full_positions(full_shape, torch.arange(start, stop)).numpy()
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    """This rank's share of one parameter.
+
+    Args:
+        name: Checkpoint name of the parameter.
+        global_shape: Shape of the full parameter, as in the checkpoint.
+        block: The part this rank holds and publishes.
+    """
+
+    name: str
+    global_shape: tuple[int, ...]
+    block: Block
+
+    @property
+    def whole(self) -> bool:
+        return self.block.shape == self.global_shape
+
+    def global_indices(self, local: torch.Tensor) -> torch.Tensor:
+        """Flat row-major positions in the full tensor of flat positions in the block
+        (ascending stays ascending; see [`Block.full_positions`])."""
+        return self.block.full_positions(self.global_shape, local)
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """How a model's parameters are spread over the ranks of a training job.
+
+    Args:
+        rank: This process's global rank (0 without torch.distributed).
+        world_size: Number of ranks.
+        shapes: Checkpoint name -> full shape, for every parameter of the model.
+        shards: Checkpoint name -> this rank's block, for the parameters whose elements this
+            rank publishes (a subset of `shapes`; empty on ranks that publish nothing).
+        sharded: Whether parameters are spread over ranks, as FSDP2 `DTensor`s or ZeRO-3
+            partitions (each rank then writes its own part of every version); False when
+            rank 0 holds and publishes whole tensors, as in a single process, DDP or
+            DeepSpeed ZeRO-1/2.
+    """
+
+    rank: int
+    world_size: int
+    shapes: dict[str, tuple[int, ...]]
+    shards: dict[str, ParamShard]
+    sharded: bool
+
+    @property
+    def total_elements(self) -> int:
+        """Elements of the full model."""
+        return sum(math.prod(shape) for shape in self.shapes.values())
+
+    @property
+    def publishes(self) -> bool:
+        """Whether this rank writes anything."""
+        return bool(self.shards) or (not self.sharded and self.rank == 0)
 
 
 def _row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

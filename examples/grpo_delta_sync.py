@@ -51,10 +51,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Traine
 from trl import GRPOConfig, GRPOTrainer
 
 from delta_sync import DeltaSyncCallback, Receiver, expected_shapes_of, module_weight_loader
+from delta_sync.checkpoint import CheckpointLayout, persistent_buffers, pretrained_model
 from delta_sync.integrity import model_checksum, tensor_checksum
 from delta_sync.layout import step_versions
 from delta_sync.signing import SigningKey
-from delta_sync.trainer.checkpoint import CheckpointLayout, persistent_buffers, pretrained_model
 
 from tiny_model import build_tiny_model
 

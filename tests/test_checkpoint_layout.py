@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from delta_sync import BF16ChangeDetector, Publisher, Receiver, expected_shapes_of, module_weight_loader, verify_bucket
+from delta_sync.checkpoint import CheckpointLayout, persistent_buffers
 from delta_sync.errors import UnservableModelError
 from delta_sync.format import SparseChange, read_file
-from delta_sync.trainer.checkpoint import CheckpointLayout, persistent_buffers
 
 transformers = pytest.importorskip("transformers")
 core = pytest.importorskip("transformers.core_model_loading")
@@ -408,8 +408,7 @@ def test_a_ranks_block_of_fused_experts_publishes_blocks_of_checkpoint_tensors(f
     """A rank holding rows 1-2 of the experts and columns 10-25 of their fused gate/up rows
     (as an FSDP2 shard of two dimensions would): its blocks of the per-expert tensors, and
     positions in them, are those of the whole checkpoint tensors cut to the block."""
-    from delta_sync.blocks import Block
-    from delta_sync.trainer.sharding import ModelLayout, ParamShard
+    from delta_sync.blocks import Block, ModelLayout, ParamShard
 
     model = build(family)
     layout = CheckpointLayout.of(model)
@@ -437,8 +436,7 @@ def test_a_ranks_block_of_fused_experts_publishes_blocks_of_checkpoint_tensors(f
 
 
 def test_a_zero3_partition_of_fused_experts_is_refused():
-    from delta_sync.blocks import Block
-    from delta_sync.trainer.sharding import ModelLayout, ParamShard
+    from delta_sync.blocks import Block, ModelLayout, ParamShard
 
     model = build("qwen3_moe")
     source = "model.layers.0.mlp.experts.gate_up_proj"
@@ -451,7 +449,7 @@ def test_a_zero3_partition_of_fused_experts_is_refused():
 
 def test_without_weight_conversions_the_checkpoint_is_the_parameters(monkeypatch):
     """transformers 4.x has no weight conversions: it saves MoE experts as they are held."""
-    from delta_sync.trainer import checkpoint
+    from delta_sync import checkpoint
 
     monkeypatch.setattr(checkpoint, "_revert_function", lambda: None)
     model = build("qwen3_moe")
@@ -462,8 +460,7 @@ def test_without_weight_conversions_the_checkpoint_is_the_parameters(monkeypatch
 
 
 def test_a_sharded_model_whose_conversion_only_renames_keeps_its_blocks():
-    from delta_sync.blocks import Block
-    from delta_sync.trainer.sharding import ModelLayout, ParamShard
+    from delta_sync.blocks import Block, ModelLayout, ParamShard
 
     model = build("qwen3")
     model._weight_conversions = [core.WeightRenaming(r"\.block_sparse_moe\.", ".mlp.")]

@@ -1,6 +1,7 @@
 """The house's shape, from the code's own imports: no module imports one that imports it
 back (but the one circle `vllm_ext`'s docstring explains), the vLLM loader stays out of the
-receiver, and each package's docstring lists every module it holds.
+receiver, the replica side never reaches the trainer package, and each package's docstring
+lists every module it holds.
 
 Imports are read from the source (every `import` statement, those inside functions and
 under `TYPE_CHECKING` too), so nothing is imported and vLLM need not be installed.
@@ -73,6 +74,27 @@ def test_no_module_imports_one_that_imports_it_back():
 def test_the_vllm_loader_uses_the_replica_s_loaders_not_the_receiver():
     assert "delta_sync.replica.loaders" in IMPORTS["vllm_ext.loader"]
     assert "delta_sync.replica.receiver" not in IMPORTS["vllm_ext.loader"]
+
+
+def _reached(module: str) -> set[str]:
+    """Every package module that importing `module` can import, its parent packages included."""
+    reached, pending = set(), [module]
+    while pending:
+        current = pending.pop()
+        if current in reached:
+            continue
+        reached.add(current)
+        parts = current.split(".")
+        pending.extend(parent for i in range(1, len(parts)) if (parent := ".".join(parts[:i])) in MODULES)
+        pending.extend(IMPORTS[current])
+    return reached
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith(("delta_sync.replica", "vllm_ext"))))
+def test_the_replica_side_never_reaches_the_trainer_package(module):
+    # A replica runs in a vLLM server's environment: what both sides use lives below both.
+    trainer = sorted(m for m in _reached(module) if m == "delta_sync.trainer" or m.startswith("delta_sync.trainer."))
+    assert trainer == [], f"{module} imports {trainer}"
 
 
 @pytest.mark.parametrize("package", ["delta_sync.replica", "delta_sync.trainer", "vllm_ext"])

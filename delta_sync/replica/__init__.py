@@ -18,8 +18,8 @@
 | `adapter` | [`AdapterFetcher`]: adapter-mode versions fetched for vLLM's LoRA loading, trusted as the receiver trusts |
 | `verify` | [`verify_bucket`]: replay a whole bucket as a fresh replica would |
 
-Nothing here imports the training stack: it runs inside a vLLM server's environment. The
-one use of the trainer side is `loaders`' of `delta_sync.trainer.checkpoint`, imported only
-for a transformers model (whose checkpoint layout it loads into). The HTTP client `follow`
-drives a server with is `delta_sync.control.client`.
+Nothing here imports the training stack, nor `delta_sync.trainer`: it runs inside a vLLM
+server's environment. `loaders` loads a transformers model through the checkpoint layout the
+trainer publishes by, `delta_sync.checkpoint`. The HTTP client `follow` drives a server with
+is `delta_sync.control.client`.
 """

@@ -26,6 +26,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from ..checkpoint import CheckpointLayout, persistent_buffers
 from ..errors import ApplyError
 
 __all__ = [
@@ -85,7 +86,7 @@ class ModuleWeightLoader:
     Names are the checkpoint's: for a transformers model that keeps another layout at run
     time (fused MoE experts, renamed prefixes), each checkpoint tensor is copied into its
     part of the run-time parameter, as transformers' own conversion mapping places it (see
-    `delta_sync.trainer.checkpoint.CheckpointLayout`).
+    `delta_sync.checkpoint.CheckpointLayout`).
 
     Args:
         module: The module to load into.
@@ -135,9 +136,7 @@ class ModuleWeightLoader:
 
 def _weights_of(module: nn.Module) -> dict[str, torch.Tensor]:
     """What a module's checkpoint holds, by name: its parameters and persistent buffers
-    (those a trainer publishes too, see `delta_sync.trainer.checkpoint.persistent_buffers`)."""
-    from ..trainer.checkpoint import persistent_buffers
-
+    (those a trainer publishes too, see `delta_sync.checkpoint.persistent_buffers`)."""
     return {**dict(module.named_parameters()), **persistent_buffers(module)}
 
 
@@ -146,8 +145,6 @@ def _checkpoint_layout(module: nn.Module):
     as they are, else None (with no transformers imported, nothing can be a transformers model)."""
     if "transformers" not in sys.modules:
         return None
-    from ..trainer.checkpoint import CheckpointLayout
-
     layout = CheckpointLayout.of(module)
     return None if layout.identity else layout
 

@@ -4,8 +4,7 @@
 | --- | --- |
 | `detector` | [`BF16ChangeDetector`]: exactly which bf16 elements an optimizer step changed |
 | `mirror` | [`HostMirror`]: a host copy of the detector's device snapshot, kept current from the changes |
-| `sharding` | [`ModelLayout`]: where each rank's parameters sit in the checkpoint tensors, and which layouts can be published |
-| `checkpoint` | [`CheckpointLayout`]: where each checkpoint tensor (as `save_pretrained` writes it) lies in the run-time parameters, from transformers' own conversion mapping |
+| `sharding` | [`describe_model`]: where each rank's parameters sit in the checkpoint tensors (a [`ModelLayout`]), and which layouts can be published |
 | `merged` | [`MergedWeights`]: a PEFT model's weights as a replica serves them, the base checkpoint with the adapter merged |
 | `options` | [`PublisherOptions`] and [`PeftPublish`]: how versions are stored, for both publishers |
 | `publisher` | [`Publisher`]: anchors, deltas and `latest.json` written to a bucket |
@@ -20,6 +19,7 @@
 | `replicas` | [`ReplicaSet`]: tells vLLM replicas about each new version over HTTP, through `delta_sync.control.client.Replica` |
 | `trl_vllm` | the one patch of TRL: its vLLM server mode syncs through the callback |
 
-Only `callback` and `trl_vllm` import transformers or TRL, and only when imported;
-`checkpoint` uses transformers' conversion API only for a model that is a transformers model.
+Only `callback` and `trl_vllm` import transformers or TRL, and only when imported.
+[`CheckpointLayout`] (where each checkpoint tensor lies in the run-time parameters) is in
+`delta_sync.checkpoint`, shared with the replica side.
 """

@@ -11,11 +11,11 @@ from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from ..changes import Encoding
+from ..checkpoint import CheckpointLayout, check_checkpoint_names
 from ..control.client import PauseMode, ReplicaOptions
 from ..errors import UnsupportedLayoutError
 from . import trl_vllm
 from .adapter import AdapterPublisher
-from .checkpoint import CheckpointLayout, check_checkpoint_names
 from .detector import BF16ChangeDetector, checkpoint_tensors
 from .merged import merged_weights
 from .options import PeftPublish, PublisherOptions

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..addresses import on_host
+from ..checkpoint import CheckpointLayout, canonical_name, check_checkpoint_names, persistent_buffers
 from ..errors import UnservableModelError
 from ..format import SparseChange, index_dtype
 from ..parallel import parallel_map, shares
@@ -19,7 +20,6 @@ from ..sparse import extract_changes_batched_, extract_changes_many_
 from ..staging import HostBuffers
 from ..streams import caller_streams, on_streams
 from ..version import sparsity
-from .checkpoint import CheckpointLayout, canonical_name, check_checkpoint_names, persistent_buffers
 from .merged import MergedWeights, merged_weights
 from .mirror import HostMirror
 from .sharding import ModelLayout, describe_model, local_tensor
@@ -219,7 +219,7 @@ class BF16ChangeDetector:
                 "a sharded PEFT model (FSDP2, DeepSpeed ZeRO-3) cannot be published in merged mode yet: "
                 "train it with DDP or ZeRO-1/2, or merge the adapter before training"
             )
-        #: Where each checkpoint tensor lies in the parameters (see `delta_sync.trainer.checkpoint`):
+        #: Where each checkpoint tensor lies in the parameters (see `delta_sync.checkpoint`):
         #: what is published is named, shaped and laid out as `save_pretrained` writes it.
         self.checkpoint: CheckpointLayout = CheckpointLayout.of(
             model if self.merged is None else self.merged.root, self.layout.shapes

@@ -18,10 +18,10 @@ import logging
 import torch
 from torch import nn
 
+from ..checkpoint import canonical_name, check_checkpoint_names
 from ..errors import UnservableModelError
-from .checkpoint import canonical_name, check_checkpoint_names
 
-# `check_checkpoint_names` lives in `checkpoint`; named here too, where it used to be.
+# `check_checkpoint_names` lives in `delta_sync.checkpoint`; named here too, where it used to be.
 __all__ = ["MergedWeights", "check_checkpoint_names", "merged_weights"]
 
 logger = logging.getLogger(__name__)

@@ -26,12 +26,11 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..blocks import Block
+from ..blocks import Block, ModelLayout, ParamShard
 from ..errors import UnsupportedLayoutError
 
 __all__ = ["Block", "ModelLayout", "ParamShard", "describe_model", "full_shape", "local_tensor", "verify_across_ranks"]
@@ -41,63 +40,6 @@ SUPPORTED = (
     "FSDP2/HSDP (torch.distributed.fsdp.fully_shard, DTensor parameters with Shard/Replicate placements) "
     "and DeepSpeed ZeRO-3 partitioned over all ranks (parameters on the accelerator or offloaded to the CPU)"
 )
-
-
-@dataclass(frozen=True)
-class ParamShard:
-    """This rank's share of one parameter.
-
-    Args:
-        name: Checkpoint name of the parameter.
-        global_shape: Shape of the full parameter, as in the checkpoint.
-        block: The part this rank holds and publishes.
-    """
-
-    name: str
-    global_shape: tuple[int, ...]
-    block: Block
-
-    @property
-    def whole(self) -> bool:
-        return self.block.shape == self.global_shape
-
-    def global_indices(self, local: torch.Tensor) -> torch.Tensor:
-        """Flat row-major positions in the full tensor of flat positions in the block
-        (ascending stays ascending; see [`Block.full_positions`])."""
-        return self.block.full_positions(self.global_shape, local)
-
-
-@dataclass(frozen=True)
-class ModelLayout:
-    """How a model's parameters are spread over the ranks of a training job.
-
-    Args:
-        rank: This process's global rank (0 without torch.distributed).
-        world_size: Number of ranks.
-        shapes: Checkpoint name -> full shape, for every parameter of the model.
-        shards: Checkpoint name -> this rank's block, for the parameters whose elements this
-            rank publishes (a subset of `shapes`; empty on ranks that publish nothing).
-        sharded: Whether parameters are spread over ranks, as FSDP2 `DTensor`s or ZeRO-3
-            partitions (each rank then writes its own part of every version); False when
-            rank 0 holds and publishes whole tensors, as in a single process, DDP or
-            DeepSpeed ZeRO-1/2.
-    """
-
-    rank: int
-    world_size: int
-    shapes: dict[str, tuple[int, ...]]
-    shards: dict[str, ParamShard]
-    sharded: bool
-
-    @property
-    def total_elements(self) -> int:
-        """Elements of the full model."""
-        return sum(math.prod(shape) for shape in self.shapes.values())
-
-    @property
-    def publishes(self) -> bool:
-        """Whether this rank writes anything."""
-        return bool(self.shards) or (not self.sharded and self.rank == 0)
 
 
 def local_tensor(param: torch.Tensor) -> torch.Tensor:

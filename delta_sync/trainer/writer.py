@@ -200,7 +200,7 @@ class VersionWriter(PointerWriter):
         super().__init__(bucket, signing_key=signing_key, bucket_id=bucket_id, rank=ranks.rank)
         self.detector = detector
         #: The checkpoint each version is written as: the detector tracks run-time parameters,
-        #: files hold checkpoint tensors (see `delta_sync.trainer.checkpoint`).
+        #: files hold checkpoint tensors (see `delta_sync.checkpoint`).
         self.checkpoint = detector.checkpoint
         self.layout = self.checkpoint.published_layout(detector.layout)
         self.parted = self.layout.sharded

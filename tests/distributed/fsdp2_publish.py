@@ -28,8 +28,8 @@ from torch.distributed.tensor import DTensor
 from transformers import Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from delta_sync import Receiver
+from delta_sync.checkpoint import CheckpointLayout
 from delta_sync.trainer.callback import DeltaSyncCallback
-from delta_sync.trainer.checkpoint import CheckpointLayout
 
 ROOT = Path(__file__).resolve().parents[2]
 # The tiny model lives with the examples, the shared test helpers with the tests.

@@ -38,10 +38,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..blocks import Block
-from ..errors import UnservableModelError
-from ..format import SparseChange, index_dtype
-from .sharding import ModelLayout, ParamShard
+from .blocks import Block, ModelLayout, ParamShard
+from .errors import UnservableModelError
+from .format import SparseChange, index_dtype
 
 __all__ = ["CheckpointBox", "CheckpointLayout", "canonical_name", "check_checkpoint_names", "pretrained_model"]
 
