@@ -1,6 +1,7 @@
 """What a delta carries, below every module that stores it: the changed elements of one
-parameter ([`SparseChange`]), the dtype of their positions ([`index_dtype`]) and the names
-of the encodings a file stores them in ([`Encoding`]).
+parameter ([`SparseChange`]), the dtype of their positions ([`index_dtype`]), the dtypes
+values travel in ([`WIRE_DTYPES`]) and the names of the encodings a file stores them in
+([`Encoding`]).
 
 `delta_sync.format` (the files), `delta_sync.compact` (one encoding) and
 `delta_sync.encodings` (the table of every encoding's codec) all build on this module;
@@ -14,7 +15,25 @@ from enum import Enum
 
 import torch
 
-__all__ = ["Encoding", "SparseChange", "index_dtype"]
+__all__ = ["WIRE_DTYPES", "Encoding", "SparseChange", "index_dtype", "wire_name"]
+
+#: The dtypes a parameter travels in, by their safetensors names: bf16, that of every tensor
+#: a model holds in bf16 (or that a trainer keeps float32 masters of), and float32, that of
+#: a tensor the model itself keeps in float32 (a MoE router, say), which travels unrounded.
+WIRE_DTYPES: dict[str, torch.dtype] = {"BF16": torch.bfloat16, "F32": torch.float32}
+_WIRE_NAMES = {dtype: name for name, dtype in WIRE_DTYPES.items()}
+
+
+def wire_name(dtype: torch.dtype) -> str:
+    """The safetensors name of a dtype parameters travel in (`"BF16"`, `"F32"`).
+
+    Raises:
+        TypeError: No parameter travels in `dtype`.
+    """
+    name = _WIRE_NAMES.get(dtype)
+    if name is None:
+        raise TypeError(f"parameters travel as bfloat16 or float32, not {dtype}")
+    return name
 
 
 class Encoding(str, Enum):
@@ -46,7 +65,8 @@ class SparseChange:
 
     Args:
         indices: Flat row-major positions, 1-D, strictly ascending.
-        values: New bf16 values at `indices`, 1-D, same length.
+        values: New values at `indices`, 1-D, same length: bf16, or float32 for a
+            parameter that travels in float32 ([`WIRE_DTYPES`]).
     """
 
     indices: torch.Tensor

@@ -1,4 +1,4 @@
-"""The file format: anchors (full bf16 weights) and raw deltas, both plain safetensors.
+"""The file format: anchors (full weights) and raw deltas, both plain safetensors.
 
 An **anchor** holds one bf16 tensor per parameter, keyed by the checkpoint name that
 vLLM's `load_weights` accepts, with metadata `sparse="False"`.
@@ -10,6 +10,11 @@ A **raw delta** holds, for every parameter with at least one changed bf16 elemen
 `changed_params` (JSON list of names). These are the keys of the published TRL delta
 format, so a receiver written against it reads our deltas with `safetensors.safe_open`
 alone.
+
+A parameter the model itself keeps in float32 (a MoE router, which transformers keeps
+in float32 in a bf16 model and `save_pretrained` stores as F32) travels in float32 instead:
+its anchor tensor and its delta values are F32, its changes are those of its float32 bits,
+and the file's `dtypes` names it. Every other parameter is bf16, as above.
 
 Both carry further metadata (all values are strings, as safetensors requires):
 
@@ -32,6 +37,7 @@ Both carry further metadata (all values are strings, as safetensors requires):
 | `model_checksum` | digest of the whole model after applying |
 | `payload_xxh3` | xxh3-64 of the tensor bytes (see `delta_sync.integrity.payload_digest`) |
 | `changed_elements` / `total_elements` | element counts behind `sparsity` |
+| `dtypes` | JSON `{name: "F32"}` of every parameter in the file that travels in float32; absent when none does |
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .blocks import Block
-from .changes import Encoding, SparseChange, index_dtype
+from .changes import WIRE_DTYPES, Encoding, SparseChange, index_dtype, wire_name
 from .encodings import CODECS, Codec
 from .errors import FormatError, IntegrityError
 from .integrity import (
@@ -114,6 +120,8 @@ class FileHeader(Identified):
         block_shapes: For a compact delta part, the shape of each parameter's block: the part
             codes the block's changes against the block's previous values, at positions
             inside the block. (An anchor part's block has its stored tensor's shape.)
+        dtypes: The parameters in the file that travel in float32, with that dtype; every
+            other one is bf16 (see [`dtype`]). Computed from the tensors when written.
     """
 
     source: str
@@ -131,6 +139,11 @@ class FileHeader(Identified):
     part: tuple[int, int] | None = None
     blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
     block_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The dtype parameter `name` travels in: bf16, unless the file says float32."""
+        return self.dtypes.get(name, torch.bfloat16)
 
     @property
     def sparsity(self) -> float:
@@ -176,6 +189,8 @@ class FileHeader(Identified):
             metadata["block_shapes"] = json.dumps(
                 {name: list(shape) for name, shape in sorted(self.block_shapes.items())}
             )
+        if self.dtypes:
+            metadata["dtypes"] = json.dumps({name: wire_name(dtype) for name, dtype in sorted(self.dtypes.items())})
         if self.kind == "delta":
             metadata.update(
                 base_version=str(self.base_version),
@@ -322,6 +337,17 @@ def _parse_blocks(text: str) -> dict[str, tuple[int, ...]]:
     return blocks
 
 
+def _parse_dtypes(text: str) -> dict[str, torch.dtype]:
+    dtypes = {}
+    for name, dtype in _parse_json(text, dict).items():
+        # bf16 is what a parameter the field does not name travels in; only the others are named.
+        if not isinstance(dtype, str) or dtype == "BF16" or dtype not in WIRE_DTYPES:
+            others = sorted(set(WIRE_DTYPES) - {"BF16"})
+            raise ValueError(f"dtype of {name!r} is {dtype!r}; the field names only parameters in {others}")
+        dtypes[name] = WIRE_DTYPES[dtype]
+    return dtypes
+
+
 def _parse_names(text: str) -> list[str]:
     names = _parse_json(text, list)
     if not all(isinstance(name, str) for name in names):
@@ -351,6 +377,7 @@ _METADATA_FIELDS = (
     _Field("part", "part", _parse_part, required=False),
     _Field("blocks", "blocks", _parse_blocks, required=False),
     _Field("block_shapes", "block_shapes", _parse_shapes, ("delta",), required=False),
+    _Field("dtypes", "dtypes", _parse_dtypes, required=False),
 )
 
 
@@ -365,6 +392,9 @@ def _check_consistency(kind: str, values: Mapping[str, Any], source: str) -> Non
         missing = [name for name in shapes if name not in values[key]]
         if missing:
             raise FormatError(f"{source}: metadata {key!r} has no entry for {missing[0]!r}")
+    if "dtypes" in values and not set(values["dtypes"]) <= set(shapes):
+        stray = sorted(set(values["dtypes"]) - set(shapes))[0]
+        raise _malformed(source, "dtypes", f"names {stray!r}, which 'shapes' does not")
     if "blocks" in values and ("part" not in values or sorted(values["blocks"]) != sorted(shapes)):
         raise _malformed(source, "blocks", "only a part has blocks, one per parameter of 'shapes'")
     # A compact delta part is coded in blocks; any other delta holds positions in full tensors.
@@ -429,7 +459,7 @@ class Anchor(VersionFile):
     _closed: bool = field(default=False, repr=False)
 
     def tensor(self, name: str) -> torch.Tensor:
-        """Load one parameter (CPU, bf16).
+        """Load one parameter (CPU; bf16, or float32 where the header's `dtypes` says).
 
         Raises:
             FormatError: The tensor cannot be read.
@@ -551,8 +581,9 @@ class CodedDelta(DeltaFile):
             FormatError: A coded stream is damaged; the message names the file and tensor.
         """
         # A part is coded in its blocks (`previous` then holds those blocks); a file, in whole tensors.
-        shapes = {name: self.header.block(name).shape for name in self.header.shapes}
-        changes = CODECS[self.header.encoding].decode(self.encoded, previous, shapes, self.header.source)
+        changes = CODECS[self.header.encoding].decode(
+            self.encoded, previous, _coded_shapes(self.header), self.header.dtypes, self.header.source
+        )
         _check_count(changes, self.header, "the coded streams hold")
         return Delta(header=self.header, changes=changes)
 
@@ -570,16 +601,17 @@ def write_anchor(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], h
 
     Args:
         path: Destination on the local filesystem.
-        tensors: Parameter name -> full bf16 tensor (CPU, contiguous).
+        tensors: Parameter name -> full tensor (CPU, contiguous): bf16, or float32 for a
+            parameter that travels in float32.
         header: Metadata; its `kind` must be `"anchor"` and its `shapes` must match
-            `tensors`. Its `payload_digest` is computed here.
+            `tensors`. Its `payload_digest` and `dtypes` are computed here.
 
     Returns:
         The header as written.
     """
     if header.kind != "anchor":
         raise ValueError("write_anchor needs a header of kind 'anchor'")
-    return _write(path, dict(tensors), header)
+    return _write(path, dict(tensors), replace(header, dtypes=_dtypes_of(tensors)))
 
 
 def write_delta(
@@ -594,11 +626,12 @@ def write_delta(
 
     Args:
         path: Destination on the local filesystem.
-        changes: Parameter name -> changed elements (CPU). Raw deltas store indices as
-            int32, or int64 for parameters of 2^31 elements or more.
+        changes: Parameter name -> changed elements (CPU), their values bf16, or float32 for
+            a parameter that travels in float32. Raw deltas store indices as int32, or
+            int64 for parameters of 2^31 elements or more.
         header: Metadata; its `kind` must be `"delta"` and its `shapes` must cover
             `changes`. Its `encoding` is one of `delta_sync.encodings.CODECS` (`"raw"` or
-            `"compact"`). Its `payload_digest` is computed here.
+            `"compact"`). Its `payload_digest` and `dtypes` are computed here.
         previous: For the compact encoding, the full bf16 tensors before the change (the
             replica decodes against the same); with `old_values`, the tensors after it.
         old_values: For the compact encoding, the values the changed elements had before
@@ -613,7 +646,28 @@ def write_delta(
     codec = CODECS.get(header.encoding)
     if codec is None:
         raise ValueError(f"unknown delta encoding {str(header.encoding)!r} (known: {_KNOWN_ENCODINGS})")
-    return _write(path, codec.encode(changes, header.shapes, previous, old_values), header)
+    header = replace(header, dtypes=_dtypes_of({name: change.values for name, change in changes.items()}))
+    return _write(path, codec.encode(changes, _coded_shapes(header), previous, old_values), header)
+
+
+def _coded_shapes(header: FileHeader) -> dict[str, tuple[int, ...]]:
+    """The shape of what a delta's entries hold positions in, per parameter: the block a
+    compact part is coded in, the whole parameter otherwise."""
+    return {name: header.block(name).shape for name in header.shapes}
+
+
+def _dtypes_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.dtype]:
+    """The header's `dtypes` of a file of `tensors`: those not bf16 (float32, as
+    [`WIRE_DTYPES`] allows: anything else raises `TypeError`, naming the tensor)."""
+    dtypes = {}
+    for name, tensor in tensors.items():
+        try:
+            wire_name(tensor.dtype)
+        except TypeError as exc:
+            raise TypeError(f"{name}: {exc}") from None
+        if tensor.dtype != torch.bfloat16:
+            dtypes[name] = tensor.dtype
+    return dtypes
 
 
 def _write(path: str | os.PathLike, tensors: dict[str, torch.Tensor], header: FileHeader) -> FileHeader:
@@ -699,8 +753,11 @@ def _check_anchor_layout(handle: safe_open, header: FileHeader) -> None:
     stored = 0
     for name in keys:
         view = handle.get_slice(name)
-        if view.get_dtype() != "BF16":
-            raise FormatError(f"{header.source}: tensor {name!r} is {view.get_dtype()}, expected BF16")
+        if view.get_dtype() != wire_name(header.dtype(name)):
+            raise FormatError(
+                f"{header.source}: tensor {name!r} is {view.get_dtype()}, expected {wire_name(header.dtype(name))}"
+                + ("" if name in header.dtypes else " (metadata 'dtypes' does not name it)")
+            )
         block = header.block(name, tuple(view.get_shape()))
         if not block.fits(header.shapes[name]) or (header.part is None and block.shape != header.shapes[name]):
             raise FormatError(
@@ -720,11 +777,11 @@ def _read_delta(handle: safe_open, header: FileHeader) -> DeltaFile:
             f"{header.source}: delta encoding {header.encoding!r} is not supported (known: {_KNOWN_ENCODINGS})"
         )
     entries = _read_entries(handle, header, codec)
-    codec.check(entries, header.shapes, header.source)
+    codec.check(entries, _coded_shapes(header), header.dtypes, header.source)
     if codec.coded:
         _check_payload(entries, header)
         return CodedDelta(header=header, encoded=entries)
-    changes = codec.decode(entries, {}, header.shapes, header.source)
+    changes = codec.decode(entries, {}, header.shapes, header.dtypes, header.source)
     _check_count(changes, header, "the file holds")
     _check_payload(entries, header)
     return Delta(header=header, changes=changes)
@@ -733,7 +790,7 @@ def _read_delta(handle: safe_open, header: FileHeader) -> DeltaFile:
 def _read_entries(handle: safe_open, header: FileHeader, codec: Codec) -> dict[str, torch.Tensor]:
     """Every stored tensor, once the names are exactly the codec's entries of the file's parameters."""
     keys = set(handle.keys())
-    expected = {entry for name in header.shapes for entry in codec.entry_names(name)}
+    expected = {entry for name in header.shapes for entry in codec.entry_names(name, header.dtype(name))}
     if keys != expected:
         missing, extra = sorted(expected - keys), sorted(keys - expected)
         raise FormatError(

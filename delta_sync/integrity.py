@@ -1,13 +1,14 @@
-"""Checksums that prove a receiver holds exactly the trainer's bf16 weights.
+"""Checksums that prove a receiver holds exactly the trainer's weights, bit for bit.
 
 Two kinds of integrity data travel in every file:
 
 * A *payload digest*: xxh3-64 over the raw bytes of every tensor in the file, in key
   order. It catches a file damaged in storage or in transit, at the cost of hashing the
   file once.
-* *State checksums*: one 64-bit checksum per parameter of the full bf16 tensor **after**
-  the file is applied, plus a model checksum over all of them. A state checksum is the
-  sum, modulo 2^64, of a mixed hash of every element's (flat index, bf16 bit pattern).
+* *State checksums*: one 64-bit checksum per parameter of the full tensor **after** the
+  file is applied, plus a model checksum over all of them. A state checksum is the sum,
+  modulo 2^64, of a mixed hash of every element's (flat index, bit pattern): of
+  `index << 16 | bits` for a bf16 tensor, of `index << 32 | bits` for a float32 one.
   Because it is a sum, a delta that changes `k` elements updates it in O(k): subtract
   the hashes of the old elements, add those of the new ones. A receiver therefore checks
   that a delta reproduces the trainer's weights bit for bit without reading the rest of
@@ -23,6 +24,7 @@ import numba
 import numpy as np
 import torch
 import xxhash
+from numba.extending import overload
 
 from .addresses import on_host, view
 from .compile_cache import njit_cached
@@ -47,12 +49,25 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
 _MASK64 = (1 << 64) - 1
+#: The dtypes whose elements are checksummed, and the unsigned integers their bits are read as.
+_BITS = {torch.bfloat16: np.uint16, torch.float32: np.uint32}
+
+
+def _width(bits):
+    """The number of bits in `bits` (an unsigned integer): 16 or 32 (from compiled code only)."""
+
+
+@overload(_width, inline="always")
+def _width_of(bits):
+    width = np.uint64(bits.bitwidth)
+    return lambda bits: width
 
 
 @numba.njit(inline="always")
 def _element_hash(position, bits):
-    """splitmix64's finalizer of `position << 16 | bits` (bits: the bf16 pattern, as uint16)."""
-    z = ((np.uint64(position) << np.uint64(16)) | np.uint64(bits)) * _GOLDEN
+    """splitmix64's finalizer of `position << width | bits`, `width` the bits' own (16 for
+    a bf16 pattern read as uint16, 32 for a float32 one read as uint32)."""
+    z = ((np.uint64(position) << _width(bits)) | np.uint64(bits)) * _GOLDEN
     z = (z ^ (z >> np.uint64(30))) * _MIX1
     z = (z ^ (z >> np.uint64(27))) * _MIX2
     return z ^ (z >> np.uint64(31))
@@ -63,7 +78,7 @@ def _hash_run(bits, first):
     """Sum mod 2^64 of the hashes of `(first + i, bits[i])`."""
     total = np.uint64(0)
     for i in range(bits.size):
-        total += _element_hash(first + i, np.uint16(bits[i]))
+        total += _element_hash(first + i, bits[i])
     return total
 
 
@@ -72,7 +87,7 @@ def _hash_at(bits, positions):
     """Sum mod 2^64 of the hashes of `(positions[i], bits[i])`."""
     total = np.uint64(0)
     for i in range(bits.size):
-        total += _element_hash(positions[i], np.uint16(bits[i]))
+        total += _element_hash(positions[i], bits[i])
     return total
 
 
@@ -91,26 +106,33 @@ def _apply_one(bits, positions, new_bits, old_bits):
 
 
 @njit_cached(nogil=True)
-def _apply_changes(table, wide):
+def _apply_changes(table):
     """For each row of `table` (the addresses of a tensor's bits, its changes' positions,
-    their new bits and a buffer for the old ones, the tensor's and the changes' sizes):
-    copies the bits at the positions into the buffer and returns, per row, the sum of the
-    hashes of the new elements less that of the old ones, and the index of the first
-    change whose position is out of range (-1: none). Positions are int64 if `wide`, else int32."""
+    their new bits and a buffer for the old ones, the tensor's and the changes' sizes, 1 if
+    the positions are int64 (else int32), and the bytes per element, 2 or 4): copies the
+    bits at the positions into the buffer and returns, per row, the sum of the hashes of the
+    new elements less that of the old ones, and the index of the first change whose position
+    is out of range (-1: none)."""
     rows = table.shape[0]
     differences = np.zeros(rows, np.uint64)
     errors = np.full(rows, -1, np.int64)
     for t in range(rows):
-        numel, count = table[t, 4], table[t, 5]
-        bits = view(table[t, 0], numel, np.uint16)
-        new_bits = view(table[t, 2], count, np.uint16)
-        old_bits = view(table[t, 3], count, np.uint16)
-        if wide:
-            error, difference = _apply_one(bits, view(table[t, 1], count, np.int64), new_bits, old_bits)
+        if table[t, 7] == 4:
+            errors[t], differences[t] = _apply_row(table[t], np.uint32)
         else:
-            error, difference = _apply_one(bits, view(table[t, 1], count, np.int32), new_bits, old_bits)
-        errors[t], differences[t] = error, difference
+            errors[t], differences[t] = _apply_row(table[t], np.uint16)
     return differences, errors
+
+
+@numba.njit(inline="always")
+def _apply_row(row, bits_type):
+    """[`_apply_one`] of a row of [`_apply_changes`]'s table, its bits read as `bits_type`."""
+    numel, count = row[4], row[5]
+    bits = view(row[0], numel, bits_type)
+    new_bits, old_bits = view(row[2], count, bits_type), view(row[3], count, bits_type)
+    if row[6] == 1:
+        return _apply_one(bits, view(row[1], count, np.int64), new_bits, old_bits)
+    return _apply_one(bits, view(row[1], count, np.int32), new_bits, old_bits)
 
 
 @njit_cached(nogil=True)
@@ -123,20 +145,27 @@ def _hash_difference(positions, old_bits, new_bits):
 
 
 @njit_cached(nogil=True)
-def _hash_differences(table, wide):
+def _hash_differences(table):
     """[`_hash_difference`] of each row of `table` (the addresses of a tensor's changed
-    positions, their old and new bits, and their count). Positions are int64 if `wide`,
-    else int32."""
+    positions, their old and new bits, their count, 1 if the positions are int64 (else
+    int32), and the bytes per element, 2 or 4)."""
     differences = np.zeros(table.shape[0], np.uint64)
     for t in range(table.shape[0]):
-        count = table[t, 3]
-        old_bits = view(table[t, 1], count, np.uint16)
-        new_bits = view(table[t, 2], count, np.uint16)
-        if wide:
-            differences[t] = _hash_difference(view(table[t, 0], count, np.int64), old_bits, new_bits)
+        if table[t, 5] == 4:
+            differences[t] = _difference_of_row(table[t], np.uint32)
         else:
-            differences[t] = _hash_difference(view(table[t, 0], count, np.int32), old_bits, new_bits)
+            differences[t] = _difference_of_row(table[t], np.uint16)
     return differences
+
+
+@numba.njit(inline="always")
+def _difference_of_row(row, bits_type):
+    """[`_hash_difference`] of a row of [`_hash_differences`]'s table, its bits read as `bits_type`."""
+    count = row[3]
+    old_bits, new_bits = view(row[1], count, bits_type), view(row[2], count, bits_type)
+    if row[4] == 1:
+        return _hash_difference(view(row[0], count, np.int64), old_bits, new_bits)
+    return _hash_difference(view(row[0], count, np.int32), old_bits, new_bits)
 
 
 def _hash_sum(bits: np.ndarray, position_of: Callable[[int, int], np.ndarray] | None = None) -> int:
@@ -146,7 +175,7 @@ def _hash_sum(bits: np.ndarray, position_of: Callable[[int, int], np.ndarray] | 
     them chunk by chunk (a shard's positions in the full tensor). Each compiled call runs
     without the GIL.
     """
-    bits = np.ascontiguousarray(bits.view(np.uint16))
+    bits = np.ascontiguousarray(bits)
     if position_of is None:
         return int(_hash_run(bits, 0))
     total = 0
@@ -156,20 +185,28 @@ def _hash_sum(bits: np.ndarray, position_of: Callable[[int, int], np.ndarray] | 
     return total & _MASK64
 
 
+def _check_dtype(*tensors: torch.Tensor) -> None:
+    for tensor in tensors:
+        if tensor.dtype not in _BITS:
+            raise TypeError(f"expected a bfloat16 or float32 tensor, got {tensor.dtype}")
+
+
 def _bits(values: torch.Tensor) -> np.ndarray:
-    if values.dtype != torch.bfloat16:
-        raise TypeError(f"expected a bfloat16 tensor, got {values.dtype}")
-    return values.detach().reshape(-1).cpu().view(torch.int16).numpy()
+    """The tensor's bit patterns, flat, as unsigned integers of its width."""
+    _check_dtype(values)
+    flat = values.detach().reshape(-1).cpu()
+    # Through a torch view: numpy has no bf16.
+    return flat.view(torch.int16 if values.dtype == torch.bfloat16 else torch.int32).numpy().view(_BITS[values.dtype])
 
 
 def tensor_checksum(tensor: torch.Tensor, positions: Callable[[int, int], np.ndarray] | None = None) -> int:
-    """State checksum of a whole bf16 tensor, or the part of it a shard contributes.
+    """State checksum of a whole bf16 or float32 tensor, or the part of it a shard contributes.
 
     Checksums are sums, so the checksums of the shards of a parameter, each taken with the
     shard's positions in the full tensor, add up (mod 2^64) to the full tensor's.
 
     Args:
-        tensor: A `torch.bfloat16` tensor on any device.
+        tensor: A `torch.bfloat16` or `torch.float32` tensor on any device.
         positions: For a shard, `positions(start, stop)` returns the flat positions in the
             full tensor of the shard's flat elements `start..stop-1` (uint64 or int64).
 
@@ -200,8 +237,8 @@ def updated_checksum(checksum: int, indices: torch.Tensor, old_values: torch.Ten
     Args:
         checksum: The tensor's checksum before the change.
         indices: Flat (row-major) positions of the changed elements.
-        old_values: bf16 values at `indices` before the change.
-        new_values: bf16 values at `indices` after the change.
+        old_values: Values at `indices` before the change (bf16, or float32 for a float32 tensor).
+        new_values: Values at `indices` after the change, of the same dtype.
     """
     return updated_checksums([(checksum, indices, old_values, new_values)])[0]
 
@@ -217,7 +254,7 @@ def updated_checksums(changes: Sequence[tuple[int, torch.Tensor, torch.Tensor, t
     Args:
         changes: Per tensor `(checksum, indices, old_values, new_values)`: its checksum
             before the change, the flat positions that change (int32 or int64) and the
-            bf16 values there before and after.
+            values there before and after (bf16, or both float32 for a float32 tensor).
 
     Returns:
         The checksum after the change, per tensor.
@@ -231,20 +268,24 @@ def updated_checksums(changes: Sequence[tuple[int, torch.Tensor, torch.Tensor, t
     for _, indices, old_values, new_values in changes:
         if indices.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"positions must be int32 or int64, got {indices.dtype}")
-        if old_values.dtype != torch.bfloat16 or new_values.dtype != torch.bfloat16:
-            raise TypeError(f"expected bfloat16 values, got {old_values.dtype} and {new_values.dtype}")
+        _check_dtype(old_values, new_values)
+        if old_values.dtype != new_values.dtype:
+            raise TypeError(f"old and new values of one tensor differ in dtype: {old_values.dtype}, {new_values.dtype}")
         if not indices.numel() == old_values.numel() == new_values.numel():
             raise ValueError(
                 f"{indices.numel()} positions but {old_values.numel()} old and {new_values.numel()} new values"
             )
         held.append((on_host(indices), on_host(old_values), on_host(new_values)))
-    differences = [0] * len(held)
-    for wide in (False, True):
-        rows = [r for r, (positions, _, _) in enumerate(held) if (positions.dtype == torch.int64) == wide]
-        if rows:
-            table = np.array([[*(t.data_ptr() for t in held[r]), held[r][0].numel()] for r in rows], np.int64)
-            for r, difference in zip(rows, _hash_differences(table, wide).tolist()):
-                differences[r] = difference
+    if not held:
+        return []
+    table = np.array(
+        [
+            [*(t.data_ptr() for t in row), row[0].numel(), row[0].dtype == torch.int64, row[1].element_size()]
+            for row in held
+        ],
+        np.int64,
+    )
+    differences = _hash_differences(table).tolist()
     return [(checksum + d) & _MASK64 for (checksum, *_), d in zip(changes, differences)]
 
 
@@ -260,11 +301,11 @@ def apply_checksums(
 
     Args:
         changes: Per tensor `(checksum, tensor, indices, new_values)`: its checksum now,
-            the bf16 tensor, the flat positions that change (int32 or int64) and the
-            bf16 values they take.
+            the tensor (bf16 or float32), the flat positions that change (int32 or int64)
+            and the values they take (of the tensor's dtype).
 
     Returns:
-        The old values at `indices` (bf16, 1-D) and the new checksum, per tensor.
+        The old values at `indices` (1-D, of the tensor's dtype) and the new checksum, per tensor.
 
     Raises:
         IndexError: A position is outside its tensor (the error names which).
@@ -280,34 +321,38 @@ def apply_checksums(
         return [], []
     held = []  # keeps every tensor alive through the call
     for _, tensor, indices, values in changes:
-        if tensor.dtype != torch.bfloat16 or values.dtype != torch.bfloat16:
-            raise TypeError(f"expected bfloat16 tensors, got {tensor.dtype} and {values.dtype}")
+        _check_dtype(tensor, values)
+        if values.dtype != tensor.dtype:
+            raise TypeError(f"{values.dtype} values cannot change a {tensor.dtype} tensor bit for bit")
         tensor, indices, values = on_host(tensor), on_host(indices), on_host(values)
         if indices.numel() != values.numel():
             raise ValueError(f"{indices.numel()} positions but {values.numel()} values")
         if indices.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"positions must be int32 or int64, got {indices.dtype}")
         held.append((tensor, indices, values))
-    # One buffer for every tensor's old values, sliced (a slice is made without dropping the GIL).
-    buffer = torch.empty(sum(indices.numel() for _, indices, _ in held), dtype=torch.bfloat16)
-    at = np.cumsum([0] + [indices.numel() for _, indices, _ in held]).tolist()
-    held = [(*row, buffer[at[r] : at[r + 1]]) for r, row in enumerate(held)]
+    # One buffer per dtype for every tensor's old values, sliced (a slice is made without
+    # dropping the GIL).
+    olds: list[torch.Tensor | None] = [None] * len(held)
+    for dtype in _BITS:
+        rows = [r for r, (tensor, _, _) in enumerate(held) if tensor.dtype == dtype]
+        buffer = torch.empty(sum(held[r][1].numel() for r in rows), dtype=dtype)
+        at = 0
+        for r in rows:
+            olds[r], at = buffer[at : at + held[r][1].numel()], at + held[r][1].numel()
+    held = [(*row, old) for row, old in zip(held, olds)]
     table = np.array(
-        [[t.data_ptr(), i.data_ptr(), v.data_ptr(), o.data_ptr(), t.numel(), i.numel()] for t, i, v, o in held],
+        [
+            [t.data_ptr(), i.data_ptr(), v.data_ptr(), o.data_ptr(), t.numel(), i.numel()]
+            + [i.dtype == torch.int64, t.element_size()]
+            for t, i, v, o in held
+        ],
         np.int64,
     )
-    differences = [0] * len(held)
-    for wide in (False, True):
-        rows = [r for r, (_, indices, _, _) in enumerate(held) if (indices.dtype == torch.int64) == wide]
-        if not rows:
-            continue
-        found, errors = _apply_changes(table[rows], wide)
-        for r, difference, error in zip(rows, found.tolist(), errors.tolist()):
-            if error != -1:
-                tensor, indices = held[r][0], held[r][1]
-                raise IndexError(f"position {int(indices[error])} is outside a tensor of {tensor.numel()} elements")
-            differences[r] = difference
-    checksums = [(checksum + d) & _MASK64 for (checksum, *_), d in zip(changes, differences)]
+    found, errors = _apply_changes(table)
+    for (tensor, indices, _, _), error in zip(held, errors.tolist()):
+        if error != -1:
+            raise IndexError(f"position {int(indices[error])} is outside a tensor of {tensor.numel()} elements")
+    checksums = [(checksum + d) & _MASK64 for (checksum, *_), d in zip(changes, found.tolist())]
     return [old for *_, old in held], checksums
 
 
@@ -330,7 +375,7 @@ def model_checksum(checksums: Mapping[str, int]) -> str:
         checksums: Parameter name -> state checksum, for every parameter of the model.
 
     Returns:
-        A 16-hex-digit xxh3-64 digest; equal digests mean equal bf16 weights.
+        A 16-hex-digit xxh3-64 digest; equal digests mean equal weights, bit for bit.
     """
     hasher = xxhash.xxh3_64()
     for name in sorted(checksums):

@@ -251,8 +251,21 @@ class _Fields:
         return records
 
 
-def _header(manifest: Manifest, source: str) -> FileHeader:
-    """The header of the whole version, as if it were one file."""
+def _header(manifest: Manifest, source: str, parts: Sequence[FileHeader]) -> FileHeader:
+    """The header of the whole version, as if it were one file: the manifest's fields, and
+    the dtypes its parts travel in.
+
+    Raises:
+        FormatError: Two parts carry one parameter in different dtypes.
+    """
+    dtypes: dict[str, torch.dtype] = {}
+    for part in parts:
+        for name in part.shapes:
+            dtype = dtypes.setdefault(name, part.dtype(name))
+            if dtype != part.dtype(name):
+                raise FormatError(
+                    f"{part.source}: carries {name!r} as {part.dtype(name)}, another part of {source} as {dtype}"
+                )
     return FileHeader(
         source=source,
         kind=manifest.kind,
@@ -265,6 +278,7 @@ def _header(manifest: Manifest, source: str) -> FileHeader:
         model_checksum=manifest.model_checksum,
         changed_elements=manifest.changed_elements,
         total_elements=manifest.total_elements,
+        dtypes={name: dtype for name, dtype in dtypes.items() if dtype != torch.bfloat16},
     )
 
 
@@ -298,13 +312,13 @@ def read_version(
             file = read_file(local, source=f"{base_url}/{record.path}" if base_url else record.path, part_of=source)
             files.append(file)
             _check_part(manifest, record, file.header, source)
+        header = _header(manifest, source, [file.header for file in files])
         if manifest.kind == "delta":
-            header = _header(manifest, source)
             if manifest.encoding == Encoding.COMPACT:
                 return PartedDelta(header=header, parts=_check_disjoint(files, source))
             changes = _merge_changes([file.changes for file in files], header)
             return Delta(header=header, changes=changes)
-        anchor = PartedAnchor(header=_header(manifest, source), parts=files)
+        anchor = PartedAnchor(header=header, parts=files)
         anchor.check_cover()
         files = []  # the anchor closes them now
         return anchor
@@ -397,11 +411,11 @@ class PartedDelta(DeltaFile):
             blocks = {name: part.header.block(name) for name in part.header.shapes}
             held = {}
             for name, block in blocks.items():
-                full = previous.get(name)
-                if full is None or tuple(full.shape) != shapes[name] or full.dtype != torch.bfloat16:
+                full, dtype = previous.get(name), self.header.dtype(name)
+                if full is None or tuple(full.shape) != shapes[name] or full.dtype != dtype:
                     raise ApplyError(
-                        f"{part.header.source}: the delta changes bfloat16 {name!r} of shape {list(shapes[name])}, "
-                        f"held as {None if full is None else (full.dtype, tuple(full.shape))}"
+                        f"{part.header.source}: the delta changes {str(dtype).removeprefix('torch.')} {name!r} of shape "
+                        f"{list(shapes[name])}, held as {None if full is None else (full.dtype, tuple(full.shape))}"
                     )
                 held[name] = block.region(full if full.is_contiguous() else full.contiguous())
             local = part.decoded(held)
@@ -447,7 +461,7 @@ class PartedAnchor(VersionFile):
                 raise FormatError(f"{source}: the parts do not cover parameter {name!r} exactly once")
 
     def tensor(self, name: str) -> torch.Tensor:
-        full = torch.empty(self.header.shapes[name], dtype=torch.bfloat16)
+        full = torch.empty(self.header.shapes[name], dtype=self.header.dtype(name))
         for part in self.parts:
             if name in part.header.shapes:
                 stored = part.tensor(name)

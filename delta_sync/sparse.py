@@ -1,5 +1,8 @@
 """Flat-index operations on bf16 tensors: find, gather and scatter changed elements.
 
+Gathering and scattering also take float32 tensors (those a model keeps in float32, which
+travel as float32): every element is moved as its bit pattern, whatever its width.
+
 On CPU these go through numpy views of the bit patterns: `np.flatnonzero` and numpy
 fancy indexing are 5-20x faster than `torch.nonzero` and `tensor[indices]` on CPU
 tensors (both single pass, no TensorIterator set-up per call). Other devices use torch.
@@ -41,29 +44,55 @@ __all__ = [
 ]
 
 
+#: The integer dtype of each width of element: what a tensor's bit patterns are read as.
+_BITS = {2: torch.int16, 4: torch.int32}
+
+
 def changed_positions(current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
-    """Flat positions where two same-shaped 2-byte tensors differ bitwise: ascending int64,
-    on their device. NaNs compare by bit pattern, so no change is ever missed."""
+    """Flat positions where two same-shaped tensors of one dtype (2 or 4 bytes per element)
+    differ bitwise: ascending int64, on their device. NaNs compare by bit pattern, so no
+    change is ever missed."""
+    _check_same_dtype(current, previous)
     if current.device.type == "cpu" and previous.device.type == "cpu":
         return torch.from_numpy(np.flatnonzero(_bits(current) != _bits(previous)))
-    return (current.view(torch.int16) != previous.view(torch.int16)).reshape(-1).nonzero().squeeze(1)
+    return (_bit_view(current) != _bit_view(previous)).reshape(-1).nonzero().squeeze(1)
+
+
+def _bit_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns: a view as the integer dtype of its width."""
+    bits = _BITS.get(tensor.element_size())
+    if bits is None:
+        raise TypeError(f"expected a tensor of 2 or 4 bytes per element (bf16, float32), got {tensor.dtype}")
+    return tensor.detach().view(bits)
 
 
 def _bits(tensor: torch.Tensor) -> np.ndarray:
-    return tensor.detach().reshape(-1).view(torch.int16).numpy()
+    return _bit_view(tensor).reshape(-1).numpy()
+
+
+def _check_same_dtype(tensor: torch.Tensor, values: torch.Tensor) -> None:
+    # Bit patterns of one dtype written into another would be other numbers, silently.
+    if values.dtype != tensor.dtype:
+        raise TypeError(f"{values.dtype} values cannot be written bit for bit into a {tensor.dtype} tensor")
 
 
 def gather(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """`tensor.view(-1)[indices]` for a 2-byte tensor (a new tensor)."""
+    """`tensor.view(-1)[indices]` for a bf16 or float32 tensor (a new tensor)."""
     if tensor.device.type == "cpu" and indices.device.type == "cpu":
         return torch.from_numpy(_bits(tensor)[indices.numpy()]).view(tensor.dtype)
     return tensor.reshape(-1)[indices.to(tensor.device, torch.long)]
 
 
 def scatter_(tensor: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
-    """`tensor.view(-1)[indices] = values` in place, for a contiguous 2-byte tensor."""
+    """`tensor.view(-1)[indices] = values` in place, for a contiguous bf16 or float32 tensor
+    and values of its dtype.
+
+    Raises:
+        TypeError: The values are of another dtype than the tensor.
+    """
     if not tensor.is_contiguous():
         raise ValueError("scatter_ writes through a flat view and needs a contiguous tensor")
+    _check_same_dtype(tensor, values)
     if tensor.device.type == "cpu" and indices.device.type == "cpu" and values.device.type == "cpu":
         _bits(tensor)[indices.numpy()] = _bits(values)
     else:
@@ -73,25 +102,28 @@ def scatter_(tensor: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) 
 def scatter_many_(changes: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
     """[`scatter_`] of many tensors: `(tensor, indices, values)` each.
 
-    Contiguous 2-byte CPU tensors with int32 or int64 positions are written in one compiled
-    call that runs without the GIL (a replica writes every delta into its snapshot while
-    vLLM's thread generates, and a call per tensor would hand the GIL back and forth);
-    any other goes through [`scatter_`].
+    Contiguous bf16 and float32 CPU tensors with int32 or int64 positions are written in
+    one compiled call that runs without the GIL (a replica writes every delta into its
+    snapshot while vLLM's thread generates, and a call per tensor would hand the GIL back
+    and forth); any other goes through [`scatter_`].
 
     Raises:
         IndexError: A position is outside its tensor; nothing is written to that tensor or
             to those after it.
+        TypeError: Values are of another dtype than their tensor; nothing is written.
     """
-    rows: list[list[int]] = []
-    wide: list[bool] = []
-    held = []  # keeps every tensor alive through the call
+    changes = list(changes)
     for tensor, indices, values in changes:
+        _check_same_dtype(tensor, values)
         if indices.numel() != values.numel():
             raise ValueError(f"{indices.numel()} positions but {values.numel()} values")
+    rows: list[list[int]] = []
+    held = []  # keeps every tensor alive through the call
+    for tensor, indices, values in changes:
         compiled = (
             tensor.device.type == indices.device.type == values.device.type == "cpu"
             and tensor.is_contiguous()
-            and tensor.element_size() == values.element_size() == 2
+            and tensor.element_size() in _BITS
             and indices.dtype in (torch.int32, torch.int64)
         )
         if not compiled:
@@ -99,29 +131,44 @@ def scatter_many_(changes: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tens
             continue
         indices, values = indices.contiguous(), values.contiguous()
         held.append((indices, values))
-        rows.append([tensor.data_ptr(), tensor.numel(), indices.data_ptr(), indices.numel(), values.data_ptr()])
-        wide.append(indices.dtype == torch.int64)
+        rows.append(
+            [
+                tensor.data_ptr(),
+                tensor.numel(),
+                indices.data_ptr(),
+                indices.numel(),
+                values.data_ptr(),
+                indices.dtype == torch.int64,
+                tensor.element_size(),
+            ]
+        )
     if rows:
-        error = _scatter_rows(np.array(rows, np.int64), np.array(wide))
+        error = _scatter_rows(np.array(rows, np.int64))
         if error != -1:
             raise IndexError(f"a position is outside the tensor of {rows[error][1]} elements it is written to")
 
 
 @njit_cached(nogil=True)
-def _scatter_rows(table, wide):
+def _scatter_rows(table):
     """Per row of `table` (a tensor's address and size, its positions' address and count,
-    its values' address), the values written at the positions (int64 where `wide`, else
-    int32); the first row with a position out of range (-1: none), which is not written."""
+    its values' address, 1 if the positions are int64 (else int32), and the bytes per
+    element, 2 or 4), the values written at the positions; the first row with a position
+    out of range (-1: none), which is not written."""
     for t in range(table.shape[0]):
-        bits = view(table[t, 0], table[t, 1], np.uint16)
-        values = view(table[t, 4], table[t, 3], np.uint16)
-        if wide[t]:
-            written = _scatter_bits(bits, view(table[t, 2], table[t, 3], np.int64), values)
-        else:
-            written = _scatter_bits(bits, view(table[t, 2], table[t, 3], np.int32), values)
+        written = _scatter_row(table[t], np.uint32) if table[t, 6] == 4 else _scatter_row(table[t], np.uint16)
         if not written:
             return t
     return -1
+
+
+@numba.njit(inline="always")
+def _scatter_row(row, bits_type):
+    """[`_scatter_bits`] of a row of [`_scatter_rows`]'s table, its bits read as `bits_type`."""
+    count = row[3]
+    bits, values = view(row[0], row[1], bits_type), view(row[4], count, bits_type)
+    if row[5] == 1:
+        return _scatter_bits(bits, view(row[2], count, np.int64), values)
+    return _scatter_bits(bits, view(row[2], count, np.int32), values)
 
 
 @njit_cached(nogil=True)

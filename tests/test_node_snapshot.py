@@ -310,7 +310,7 @@ def test_a_snapshot_another_version_of_delta_sync_wrote_is_not_trusted(stepwise,
     second, model = worker(nodes)
     with caplog.at_level("WARNING", logger="delta_sync"):
         assert second.update(stepwise.root).applied  # from the bucket again, not from the file
-    assert "state format 1, this version of delta-sync keeps 2" in caplog.text
+    assert "state format 1, this version of delta-sync keeps 3" in caplog.text
     assert_bit_exact(stepwise.states[1], bf16_state(model))
 
 

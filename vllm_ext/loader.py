@@ -240,13 +240,19 @@ class ModelLoader:
     def _stage(
         self, changes: dict[str, tuple[WeightPatch, torch.Tensor]]
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Name -> (positions, values) where the model is: on a CUDA model every patch's
-        positions and values cross in two pinned buffers; elsewhere they stay as they are."""
+        """Name -> (positions, values) where the model is: on a CUDA model the patches'
+        positions and values cross in two pinned buffers per dtype of values (bf16, and
+        float32 for the tensors that travel so); elsewhere they stay as they are."""
         device = self.patch_device()
         if device is None or not changes:
             return {name: (patch.positions, values) for name, (patch, values) in changes.items()}
-        staged = stage_patches({name: (patch.positions, values) for name, (patch, values) in changes.items()}, device)
-        return {name: (patch.positions, patch.values) for name, patch in staged.items()}
+        staged = {}
+        for dtype in {values.dtype for _, values in changes.values()}:
+            of_dtype = {
+                name: (patch.positions, values) for name, (patch, values) in changes.items() if values.dtype == dtype
+            }
+            staged |= {name: (patch.positions, patch.values) for name, patch in stage_patches(of_dtype, device).items()}
+        return staged
 
     def _staging_groups(self, changes: dict[str, tuple[WeightPatch, torch.Tensor]]) -> list[list[str]]:
         """The patches of one load in groups, each staged on the device and written before

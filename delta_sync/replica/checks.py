@@ -57,7 +57,9 @@ def check_delta_base(header: FileHeader, held: HeldVersion | None, anchor_needed
 
 
 def check_held(header: FileHeader, weights: Mapping[str, torch.Tensor]) -> None:
-    """Every parameter the delta changes is held, with its shape."""
+    """Every parameter the delta changes is held, with its shape and the dtype it travels in
+    (a delta's values are bit patterns of that dtype: written into another, they would be
+    other numbers)."""
     for name in header.shapes:
         tensor = weights.get(name)
         if tensor is None:
@@ -66,6 +68,11 @@ def check_held(header: FileHeader, weights: Mapping[str, torch.Tensor]) -> None:
             raise ApplyError(
                 f"{header.source}: parameter {name!r} has shape {list(header.shapes[name])}, "
                 f"held shape is {list(tensor.shape)}"
+            )
+        if tensor.dtype != header.dtype(name):
+            raise ApplyError(
+                f"{header.source}: parameter {name!r} travels as {header.dtype(name)}, but is held as "
+                f"{tensor.dtype}; load an anchor of this run first"
             )
 
 

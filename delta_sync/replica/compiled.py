@@ -39,6 +39,7 @@ def load_compiled_passes() -> float:
         apply_checksums([(0, weights, indices, values)])
         scatter_many_([(weights.clone(), indices, values)])
     tensor_checksum(weights)
+    tensor_checksum(weights.float())  # a tensor that travels in float32 (a router), as an anchor's checks see it
     change = SparseChange(torch.tensor([1, 5], dtype=torch.int32), values)
     entries = encode_changes({"w": change}, {"w": weights})
     decode_changes(entries, {"w": weights}, {"w": (8,)}, source="load_compiled_passes")

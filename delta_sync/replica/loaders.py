@@ -1,8 +1,9 @@
 """How a replica's weights reach its model: the loader protocols a [`Receiver`] hands
 tensors to, and the loader of a plain `torch.nn.Module`.
 
-A `load_weights` callable takes `[(checkpoint name, full bf16 tensor), ...]` (vLLM's
-`model.load_weights` is one). A loader may say more about itself:
+A `load_weights` callable takes `[(checkpoint name, full tensor), ...]` (vLLM's
+`model.load_weights` is one), each tensor bf16, or float32 for a parameter that travels in
+float32. A loader may say more about itself:
 
 * a [`ShapedWeightLoader`] knows the shapes it loads, which a receiver given no
   `expected_shapes` checks anchors against;
@@ -59,7 +60,7 @@ class WeightPatch:
 
     Args:
         name: The checkpoint name.
-        tensor: Its full bf16 tensor at the version loaded.
+        tensor: Its full tensor at the version loaded (bf16, or float32 where it travels so).
         positions: The flat positions (int64, ascending) whose values differ from the
             version the model holds, or None when they are not known (load it whole).
     """
@@ -119,6 +120,12 @@ class ModuleWeightLoader:
                 shape = None if param is None else list(param.shape)
                 raise ApplyError(
                     f"cannot load {patch.name!r} of shape {list(patch.tensor.shape)} into the module ({shape})"
+                )
+            if param.is_floating_point() and torch.finfo(param.dtype).bits < torch.finfo(patch.tensor.dtype).bits:
+                raise ApplyError(
+                    f"{patch.name!r} travels as {patch.tensor.dtype} (the trainer's model keeps it so), but the "
+                    f"module holds it as {param.dtype}, which would round it: keep it in {patch.tensor.dtype} "
+                    "(transformers' from_pretrained does, for the modules a model keeps in float32)"
                 )
         with torch.no_grad():
             for patch in patches:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import SnapshotMovedError
+from ..errors import ApplyError, SnapshotMovedError
 from ..format import Anchor, FileHeader, SparseChange
 from ..sparse import scatter_many_
 from ..version import HeldVersion
@@ -41,9 +41,9 @@ logger = logging.getLogger(__name__)
 
 
 class NodeStore:
-    """A snapshot store shared with every process of the machine: one bf16 copy of the
-    model per machine, however many workers and servers follow the same bucket with the
-    same model.
+    """A snapshot store shared with every process of the machine: one copy of the model per
+    machine (bf16, and float32 where the bucket carries it so), however many workers and
+    servers follow the same bucket with the same model.
 
     A request for a version the snapshot has moved past more than `history` versions ago
     (or across an anchor) raises `SnapshotMovedError` and changes nothing; a catch-up then
@@ -112,9 +112,13 @@ class NodeStore:
 
     def write_anchor(self, header: FileHeader, anchor: Anchor, held: HeldVersion) -> None:
         node = self._node
-        node.begin_anchor(held.version)
+        node.begin_anchor(held.version, header.dtypes)
         views = node.tensors
         for name, tensor in anchor.items():
+            if views[name].dtype != tensor.dtype:  # copy_ would cast
+                raise ApplyError(
+                    f"{header.source}: {name!r} is {tensor.dtype}, the node snapshot holds {views[name].dtype}"
+                )
             views[name].copy_(tensor)
         self._session_state().anchor_needed = None
         self._finish(held, "anchor", header.shapes)

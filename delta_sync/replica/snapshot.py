@@ -1,6 +1,6 @@
-"""`NodeSnapshot`: one bf16 snapshot of the model per machine, shared by its replica processes.
+"""`NodeSnapshot`: one snapshot of the model per machine, shared by its replica processes.
 
-Every vLLM worker needs the full bf16 weights of the version it loads (tensor-parallel
+Every vLLM worker needs the full weights of the version it loads (tensor-parallel
 ranks cut their own shard out of them), but a node running eight workers should not hold
 eight copies. The node snapshot is one memory-mapped file that every process on the
 machine maps (`MAP_SHARED`: one copy in the page cache however many map it), advanced by
@@ -25,9 +25,14 @@ Files in the snapshot's directory:
 | file | what it holds |
 | --- | --- |
 | `weights.bin` | every tensor's bf16 values, in name order, 64-byte aligned |
-| `state.json` | version, run, epoch, per-tensor checksums, history, `writing` mark |
-| `undo/<version>.safetensors` | the flat `indices` and bf16 `values` every tensor that version changed held before it, concatenated in the order of the metadata's `names` (`[[name, count], ...]`) |
+| `float32-<digest>.bin` | the float32 values of the tensors that travel in float32 (the state's `float32`), in name order, 64-byte aligned |
+| `state.json` | version, run, epoch, per-tensor checksums, history, `writing` mark, the tensors held in float32 |
+| `undo/<version>.safetensors` | the flat `indices` and `values` every tensor that version changed held before it, concatenated in the order of the metadata's `names` (`[[name, count], ...]`); those of float32 tensors in `indices_f32`, `values_f32` and `names_f32` |
 | `lock` | the `flock` that orders writers and readers |
+
+Which tensors are float32 is the bucket's to say (its files' `dtypes`), so each anchor sets it:
+an anchor whose float32 tensors differ from the snapshot's puts them in a file of their own,
+named after them, while processes that still map the previous one keep reading it.
 """
 
 from __future__ import annotations
@@ -56,9 +61,10 @@ __all__ = ["HistoryEntry", "NodeSnapshot", "SnapshotState", "mapped_memory", "sn
 
 logger = logging.getLogger(__name__)
 
-_STATE_FORMAT = 2  # 2: one undo record holds every tensor's changes in two tensors
-_ALIGN = 32  # elements: tensors start on 64-byte boundaries
+_STATE_FORMAT = 3  # 2: one undo record holds every tensor's changes in two tensors; 3: float32 tensors
+_ALIGN = 64  # bytes: tensors start on 64-byte boundaries
 _DATA, _STATE, _LOCK, _UNDO = "weights.bin", "state.json", "lock", "undo"
+_FLOAT32_SUFFIX = "_f32"  # of an undo record's entries for the float32 tensors
 
 
 def snapshot_directory(root: str | os.PathLike, bucket_url: str, shapes: Mapping[str, tuple[int, ...]]) -> Path:
@@ -103,6 +109,8 @@ class SnapshotState:
             run and start: an anchor clears it).
         writing: `{"version", "kind"}` while a process changes the data, else None.
         boot_id: The machine boot that wrote the state.
+        float32: The tensors held in float32 (sorted), as the last anchor carried them;
+            every other one is bf16.
     """
 
     held: HeldVersion | None = None
@@ -110,6 +118,7 @@ class SnapshotState:
     history: list[HistoryEntry] = field(default_factory=list)
     writing: dict | None = None
     boot_id: str = ""
+    float32: tuple[str, ...] = ()
 
     @property
     def version(self) -> int | None:
@@ -140,6 +149,7 @@ class SnapshotState:
             ],
             "writing": self.writing,
             "boot_id": self.boot_id,
+            "float32": list(self.float32),
         }
         return json.dumps(data)
 
@@ -163,7 +173,7 @@ class SnapshotState:
             )
             for entry in (data["history"] if held is not None else [])
         ]
-        return cls(held, data["anchor_needed"], history, data["writing"], data["boot_id"])
+        return cls(held, data["anchor_needed"], history, data["writing"], data["boot_id"], tuple(data["float32"]))
 
 
 def _dump(checksums: Mapping[str, int]) -> dict[str, str]:
@@ -175,7 +185,8 @@ def _load(checksums: Mapping[str, str]) -> dict[str, int]:
 
 
 class NodeSnapshot:
-    """A bf16 snapshot in a memory-mapped file, shared by every process of a machine.
+    """A snapshot in memory-mapped files, shared by every process of a machine: bf16, and
+    float32 for the tensors the bucket carries in float32.
 
     A writer holds [`exclusive`] while it changes the data and announces each change with
     [`begin_delta`] or [`begin_anchor`] before it writes, and [`finish`] after; readers
@@ -201,18 +212,20 @@ class NodeSnapshot:
         self.directory = Path(directory)
         self.history = history
         self.shapes = {name: tuple(shape) for name, shape in sorted(shapes.items())}
-        self._offsets: dict[str, int] = {}
-        numel = 0
-        for name, shape in self.shapes.items():
-            self._offsets[name] = numel
-            numel += -(-math.prod(shape) // _ALIGN) * _ALIGN
-        self.nbytes = numel * 2
         (self.directory / _UNDO).mkdir(parents=True, exist_ok=True)
         # 0666 less the umask, like every file of the snapshot (its tensors, state and undo records).
         self._lock_fd = os.open(self.directory / _LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+        self._views: dict[str, torch.Tensor] = {}
+        self._float32: tuple[str, ...] = ()
+        self._float32_bytes = 0
         with self._locked(fcntl.LOCK_EX):
-            self._map(numel)
+            self._bf16_bytes = self._map(self.path, self.shapes, torch.bfloat16)
         self._state: SnapshotState | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the data files this process maps."""
+        return self._bf16_bytes + self._float32_bytes
 
     @property
     def path(self) -> Path:
@@ -239,6 +252,7 @@ class NodeSnapshot:
         with self._locked(fcntl.LOCK_EX):
             state = self._read_state()
             self._state = state if state.writing is None else self._recover(state)
+            self._hold_in_float32(self._state.float32)
             try:
                 yield self._state
             finally:
@@ -252,6 +266,7 @@ class NodeSnapshot:
             if state.writing is not None:
                 # A writer died mid-write and nobody has recovered yet: nothing here is a version.
                 state = SnapshotState(boot_id=state.boot_id)
+            self._hold_in_float32(state.float32)
             yield state
 
     # -- writing (under `exclusive`) ------------------------------------------------------------
@@ -261,36 +276,55 @@ class NodeSnapshot:
 
         Args:
             version: The version the delta produces.
-            previous: Parameter name -> (flat indices, bf16 values there now).
+            previous: Parameter name -> (flat indices, values there now, of the tensor's dtype).
         """
-        names = list(previous)
-        if names:
-            # Two tensors whatever the model's size: a record per tensor cost the prefetch
-            # thread a Python round trip (and a wait for vLLM's thread to hand back the GIL)
-            # per changed tensor.
-            indices = torch.cat([previous[name][0] for name in names]).to(torch.int64)
-            values = torch.cat([previous[name][1] for name in names])
-        else:
-            indices, values = torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.bfloat16)
-        counts = [[name, previous[name][0].numel()] for name in names]
+        tensors, metadata = {}, {}
+        for suffix, dtype in (("", torch.bfloat16), (_FLOAT32_SUFFIX, torch.float32)):
+            names = [name for name, (_, values) in previous.items() if values.dtype == dtype]
+            if names:
+                # Two tensors per dtype whatever the model's size: a record per tensor cost the
+                # prefetch thread a Python round trip (and a wait for vLLM's thread to hand back
+                # the GIL) per changed tensor.
+                indices = torch.cat([previous[name][0] for name in names]).to(torch.int64)
+                values = torch.cat([previous[name][1] for name in names])
+            else:
+                indices, values = torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=dtype)
+            tensors |= {f"indices{suffix}": indices, f"values{suffix}": values}
+            metadata[f"names{suffix}"] = json.dumps([[name, previous[name][0].numel()] for name in names])
         target = self._undo_path(version)
         temporary = target.with_suffix(".tmp")
         # save_file writes without the GIL, but creates 0600 files: the record takes the
         # data file's permissions (0666 less the umask), so that every replica user reads it.
-        save_file({"indices": indices, "values": values}, str(temporary), metadata={"names": json.dumps(counts)})
+        save_file(tensors, str(temporary), metadata=metadata)
         os.chmod(temporary, os.stat(self.path).st_mode & 0o777)
         os.replace(temporary, target)
         self._mark_writing(version, "delta")
 
-    def begin_anchor(self, version: int) -> None:
+    def begin_anchor(self, version: int, float32: Iterable[str] = ()) -> None:
         """Announce an anchor: every tensor is about to be overwritten, so no version held
-        before it can be rebuilt any more."""
+        before it can be rebuilt any more.
+
+        Args:
+            version: The anchor's version.
+            float32: The tensors it carries in float32: from now on held in float32.
+        """
         state = self._writer_state()
         dropped, state.history = state.history, []
         # Marked first: a process killed while the records go leaves a state that says so.
         self._mark_writing(version, "anchor")
         for entry in dropped:
             self._undo_path(entry.version).unlink(missing_ok=True)
+        float32 = tuple(sorted(float32))
+        if float32 != state.float32:
+            unknown = sorted(set(float32) - set(self.shapes))
+            if unknown:
+                raise ValueError(f"{self.directory}: no tensor {unknown[0]!r} in the snapshot's layout")
+            previous = state.float32
+            self._hold_in_float32(float32)
+            state.float32 = float32
+            self._write_state(state)
+            if previous:
+                self._float32_path(previous).unlink(missing_ok=True)  # processes that map it keep their pages
 
     def finish(self, held: HeldVersion, *, kind: str, names: Iterable[str]) -> None:
         """Record the version the data now holds and forget the oldest beyond `history`.
@@ -396,20 +430,47 @@ class NodeSnapshot:
         finally:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
-    def _map(self, numel: int) -> None:
-        """Map the data file, creating it at its size (sparse: no memory until written)."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)  # the umask decides
+    def _map(self, path: Path, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype) -> int:
+        """Map a data file of `shapes` (in name order, each tensor 64-byte aligned) as
+        `dtype`, creating it at its size (sparse: no memory until written); returns its size.
+        A new file means no version is held: the state says so."""
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        offsets, numel = {}, 0
+        for name, shape in sorted(shapes.items()):
+            offsets[name] = numel
+            numel += -(-math.prod(shape) * itemsize // _ALIGN) * _ALIGN // itemsize
+        nbytes = numel * itemsize
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # the umask decides
         try:
-            if os.fstat(fd).st_size != self.nbytes:
-                os.ftruncate(fd, self.nbytes)
-                self._write_state(SnapshotState(boot_id=_boot_id()))
+            if os.fstat(fd).st_size != nbytes:
+                os.ftruncate(fd, nbytes)
+                if dtype == torch.bfloat16:
+                    self._write_state(SnapshotState(boot_id=_boot_id()))
         finally:
             os.close(fd)
-        flat = torch.from_file(str(self.path), shared=True, size=numel, dtype=torch.bfloat16)
-        self._views = {
-            name: flat[offset : offset + math.prod(self.shapes[name])].view(self.shapes[name])
-            for name, offset in self._offsets.items()
-        }
+        if numel:
+            flat = torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
+            self._views |= {
+                name: flat[offset : offset + math.prod(shapes[name])].view(shapes[name])
+                for name, offset in offsets.items()
+            }
+        return nbytes
+
+    def _hold_in_float32(self, names: tuple[str, ...]) -> None:
+        """Map the float32 tensors of the state (their file is created by the anchor that
+        first carries them), and the others from the bf16 file, if not mapped so already."""
+        if names == self._float32:
+            return
+        self._bf16_bytes = self._map(self.path, self.shapes, torch.bfloat16)
+        self._float32_bytes = 0
+        if names:
+            shapes = {name: self.shapes[name] for name in names}
+            self._float32_bytes = self._map(self._float32_path(names), shapes, torch.float32)
+        self._float32 = names
+
+    def _float32_path(self, names: tuple[str, ...]) -> Path:
+        digest = hashlib.sha256(json.dumps(names).encode()).hexdigest()[:16]
+        return self.directory / f"float32-{digest}.bin"
 
     def _writer_state(self) -> SnapshotState:
         if self._state is None:
@@ -440,7 +501,8 @@ class NodeSnapshot:
         else:
             for entry in state.history:
                 self._undo_path(entry.version).unlink(missing_ok=True)
-            state = SnapshotState(boot_id=state.boot_id)
+            # What the anchor had begun holding in float32 stays so: the next anchor decides.
+            state = SnapshotState(boot_id=state.boot_id, float32=state.float32)
             logger.warning(
                 "delta-sync: a process died writing anchor v%s; the node snapshot waits for an anchor", version
             )
@@ -471,18 +533,22 @@ class NodeSnapshot:
 
 
 def _read_undo(path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """An undo record's `(flat indices, values)` per parameter (views of its two tensors).
+    """An undo record's `(flat indices, values)` per parameter (views of its tensors).
 
     Raises:
         FileNotFoundError: No record at `path`.
     """
     if not path.is_file():
         raise FileNotFoundError(path)
+    found = {}
     with safe_open(str(path), framework="pt") as record:
-        counts = json.loads(record.metadata()["names"])
-        indices, values = record.get_tensor("indices"), record.get_tensor("values")
-    sizes = [count for _, count in counts]
-    return {name: pair for (name, _), pair in zip(counts, zip(indices.split(sizes), values.split(sizes)))}
+        metadata = record.metadata()
+        for suffix in ("", _FLOAT32_SUFFIX):
+            counts = json.loads(metadata[f"names{suffix}"])
+            indices, values = record.get_tensor(f"indices{suffix}"), record.get_tensor(f"values{suffix}")
+            sizes = [count for _, count in counts]
+            found |= {name: pair for (name, _), pair in zip(counts, zip(indices.split(sizes), values.split(sizes)))}
+    return found
 
 
 def mapped_memory(path: str | os.PathLike) -> dict[str, int]:

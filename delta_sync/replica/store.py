@@ -1,4 +1,4 @@
-"""Where a `Receiver` keeps the bf16 weights of the versions it checks: a snapshot store.
+"""Where a `Receiver` keeps the weights of the versions it checks: a snapshot store.
 
 A [`Receiver`](receiver) checks every file against the version its store holds and writes
 what it accepts into the store; it never holds weights itself. Two stores exist:
@@ -192,7 +192,8 @@ def union_positions(per_version: Iterable[Mapping[str, torch.Tensor]], names: It
 
 
 class PrivateSnapshot:
-    """A snapshot in this process's memory: one bf16 copy of the model, for one receiver.
+    """A snapshot in this process's memory: one copy of the model, as the bucket carries it
+    (bf16, and float32 where it travels in float32), for one receiver.
 
     Args:
         history: Recent versions remembered (their names and checksums, not their
@@ -247,7 +248,7 @@ class PrivateSnapshot:
 
     def write_anchor(self, header: FileHeader, anchor: Anchor, held: HeldVersion) -> None:
         if set(self._weights) != set(header.shapes) or any(
-            tuple(t.shape) != header.shapes[n] for n, t in self._weights.items()
+            tuple(t.shape) != header.shapes[n] or t.dtype != header.dtype(n) for n, t in self._weights.items()
         ):
             self._weights = {}  # another parameter set (the first anchor, or an anchor of another model)
         # Copy into the held tensors so memory stays at one snapshot.

@@ -223,12 +223,18 @@ def _compare_open_anchor(
             name
             for name, tensor in anchor.items()
             if name not in receiver.weights
-            or not torch.equal(tensor.view(torch.int16), receiver.weights[name].view(torch.int16))
+            or tensor.dtype != receiver.weights[name].dtype
+            or not torch.equal(_bits(tensor), _bits(receiver.weights[name]))
         ]
     if differing or set(anchor.header.names) != set(receiver.weights):
         report.add(path, False, f"differs from the replayed state in {differing[:5] or 'its parameter set'}")
     else:
         report.add(path, True, "equals the replayed state bit for bit")
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns (NaNs compare equal to themselves), as integers of its width."""
+    return tensor.view(torch.int16 if tensor.element_size() == 2 else torch.int32)
 
 
 def _problem(exc: Exception) -> str:
