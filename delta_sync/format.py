@@ -751,7 +751,7 @@ def _check_anchor_layout(handle: safe_open, header: FileHeader) -> None:
             f"{header.source}: tensors do not match metadata 'shapes' (missing {missing}, unexpected {extra})"
         )
     stored = 0
-    for name in keys:
+    for name in sorted(keys):
         view = handle.get_slice(name)
         if view.get_dtype() != wire_name(header.dtype(name)):
             raise FormatError(
