@@ -79,8 +79,8 @@ def instrument(count: Counter, directory: Path) -> None:
 
     begin_anchor = snapshot.NodeSnapshot.begin_anchor
 
-    def counted_begin_anchor(self, version):
-        begin_anchor(self, version)
+    def counted_begin_anchor(self, version, *args, **kwargs):
+        begin_anchor(self, version, *args, **kwargs)
         count()  # about to overwrite every tensor
 
     shared.scatter_many_ = counting_scatter
