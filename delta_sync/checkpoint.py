@@ -42,7 +42,14 @@ from .blocks import Block, ModelLayout, ParamShard
 from .errors import UnservableModelError
 from .format import SparseChange, index_dtype
 
-__all__ = ["CheckpointBox", "CheckpointLayout", "canonical_name", "check_checkpoint_names", "pretrained_model"]
+__all__ = [
+    "CheckpointBox",
+    "CheckpointLayout",
+    "canonical_name",
+    "check_checkpoint_names",
+    "kept_in_float32",
+    "pretrained_model",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +107,31 @@ def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
             if name not in ignored:
                 buffers.setdefault(name, buffer)
     return buffers
+
+
+def kept_in_float32(model: nn.Module, names: Iterable[str]) -> set[str]:
+    """The tensors among `names` (`model`'s, by their names in it) that its transformers
+    model keeps in float32 when loaded in bf16, such as DeepSeek-V3's and GLM-4.5's MoE
+    routers: those transformers' own dtype plan for bf16 matches (the model's
+    `_keep_in_fp32_modules_strict`), matched as `from_pretrained` matches them. None for a
+    model that is not a transformers model, or whose transformers has no such plan.
+
+    Example:
+        ```python
+        >>> sorted(kept_in_float32(model, dict(model.named_parameters())))[:1]
+        ['model.layers.1.mlp.gate.weight']
+        ```
+    """
+    found = pretrained_model(model)
+    plan = None if found is None else getattr(found[1], "_get_dtype_plan", None)
+    patterns = [] if plan is None else list(plan(torch.bfloat16))
+    if not patterns:
+        return set()
+    from transformers.core_model_loading import build_glob_alternation
+
+    alternation, _, _ = build_glob_alternation(patterns)
+    prefix = f"{found[0]}." if found[0] else ""
+    return {name for name in names if name.startswith(prefix) and alternation.search(name.removeprefix(prefix))}
 
 
 def check_checkpoint_names(names: Iterable[str], model: nn.Module) -> None:

@@ -35,6 +35,7 @@ from .staging import HostBuffers
 
 __all__ = [
     "changed_positions",
+    "extract_float32_changes_",
     "extract_changes_",
     "extract_changes_batched_",
     "extract_changes_many_",
@@ -208,6 +209,33 @@ def extract_changes_(
         ```
     """
     return extract_changes_many_([(current, snapshot, index_dtype)])[0]
+
+
+def extract_float32_changes_(
+    current: torch.Tensor, snapshot: torch.Tensor, index_dtype: torch.dtype = torch.int64
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The elements whose float32 bits differ between `current` and the float32 `snapshot`
+    (a tensor that travels in float32); advances the snapshot at those positions only.
+
+    Through torch, on the snapshot's device: these tensors are few and small (a MoE
+    layer's router), beside the bf16 ones the compiled pass takes.
+
+    Args:
+        current: The weights now (float32, any device).
+        snapshot: The float32 weights as last published, as many elements, contiguous.
+        index_dtype: dtype of the positions returned (int32 or int64).
+
+    Returns:
+        `(positions, new values, old values)` on the host: ascending flat positions and the
+        float32 values after and before.
+    """
+    if current.dtype != torch.float32 or snapshot.dtype != torch.float32:
+        raise TypeError(f"expected float32 weights and snapshot, got {current.dtype} and {snapshot.dtype}")
+    flat, held = current.detach().reshape(-1).to(snapshot.device), snapshot.view(-1)
+    positions = (flat.view(torch.int32) != held.view(torch.int32)).nonzero().squeeze(1)
+    new, old = flat[positions], held[positions]
+    held[positions] = new
+    return positions.to("cpu", index_dtype), new.cpu(), old.cpu()
 
 
 def extract_changes_many_(

@@ -7,7 +7,8 @@ only from the bucket through `delta_sync.Receiver`, follows along and is compare
 the trainer bit for bit after every sync. At the end, the tensors the replica replayed from
 the bucket are compared with what `save_pretrained` writes for the trained model: the
 same names (the checkpoint's, e.g. one tensor per MoE expert where transformers fuses them
-at run time), shapes and bf16 bits.
+at run time), shapes and bits: bf16, and float32 for what the model keeps in float32 (a MoE
+router of DeepSeek-V3 or GLM-4.5), which the bucket carries unrounded.
 
     python examples/grpo_delta_sync.py --bucket ./deltas --steps 20
 
@@ -40,6 +41,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -51,7 +53,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Traine
 from trl import GRPOConfig, GRPOTrainer
 
 from delta_sync import DeltaSyncCallback, Receiver, expected_shapes_of, module_weight_loader
-from delta_sync.checkpoint import CheckpointLayout, persistent_buffers, pretrained_model
+from delta_sync.checkpoint import CheckpointLayout, kept_in_float32, persistent_buffers, pretrained_model
 from delta_sync.integrity import model_checksum, tensor_checksum
 from delta_sync.layout import step_versions
 from delta_sync.signing import SigningKey
@@ -70,11 +72,21 @@ def reward_cats(completions: list[str], **kwargs) -> list[float]:
     return [completion.count("cat") + len(completion) / 20 for completion in completions]
 
 
-def host_bf16(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The trainer's weights as published (bf16), on the host: the replica and the bucket's
-    tensors are there, and `torch.equal` refuses tensors on two devices (a trainer on a GPU).
-    Its parameters and the buffers its checkpoint holds (DeepSeek-V3's router bias)."""
-    return {name: t.detach().to("cpu", torch.bfloat16) for name, t in weights_of(model).items()}
+def host_published(model: torch.nn.Module, float32: Iterable[str]) -> dict[str, torch.Tensor]:
+    """A model's weights as published (bf16, but the tensors `float32` names), on the host: the
+    replica and the bucket's tensors are there, and `torch.equal` refuses tensors on two
+    devices (a trainer on a GPU). Its parameters and the buffers its checkpoint holds
+    (DeepSeek-V3's router bias)."""
+    float32 = set(float32)
+    return {
+        name: t.detach().to("cpu", torch.float32 if name in float32 else torch.bfloat16)
+        for name, t in weights_of(model).items()
+    }
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """A bf16 or float32 tensor's bit patterns (exact comparisons: NaN, -0.0)."""
+    return tensor.view(torch.int16 if tensor.element_size() == 2 else torch.int32)
 
 
 def weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -112,22 +124,22 @@ class ReplicaCheck(TrainerCallback):
         version = state.global_step
         if self.sync.publisher is None or self.sync.publisher.last_version != version:
             return
-        trainer_params = host_bf16(model)
+        float32 = self.sync.detector.float32
+        trainer_params = host_published(model, float32)
         trainer_bits = self._checkpoint_of(model, trainer_params)
         self.sync.publisher.flush()
         self.receiver.update(self.bucket)
         # The bucket holds the trainer's checkpoint (what save_pretrained writes); the replica
         # loads it into its own run-time parameters, which must equal the trainer's.
-        exact = sorted(trainer_bits) == sorted(self.receiver.weights) and all(
-            torch.equal(bits.view(torch.int16), self.receiver.weights[name].view(torch.int16))
-            for name, bits in trainer_bits.items()
+        held = self.receiver.weights
+        exact = sorted(trainer_bits) == sorted(held) and all(
+            tensor.dtype == held[name].dtype and torch.equal(bits(tensor), bits(held[name]))
+            for name, tensor in trainer_bits.items()
         )
-        # As bf16: a replica keeps some tensors in float32 (DeepSeek-V3's router), which then
-        # hold the bf16 values loaded into them exactly.
-        replica = host_bf16(self.replica)
+        replica = host_published(self.replica, float32)
         exact = exact and all(
-            torch.equal(bits.view(torch.int16), replica[name].view(torch.int16))
-            for name, bits in trainer_params.items()
+            tensor.dtype == replica[name].dtype and torch.equal(bits(tensor), bits(replica[name]))
+            for name, tensor in trainer_params.items()
         )
         self.checked.append((version, exact))
         if not exact:
@@ -139,13 +151,15 @@ class ReplicaCheck(TrainerCallback):
         # With max_staleness > 0 replicas may lag during training; DeltaSyncCallback has
         # waited for the last version by now.
         if self.sync.replicas is not None and self.sync.config.max_staleness > 0:
-            self._check_server(state.global_step, self._checkpoint_of(model, host_bf16(model)))
+            published = host_published(model, self.sync.detector.float32)
+            self._check_server(state.global_step, self._checkpoint_of(model, published))
         if self.sync.publisher is not None and self.sync.publisher.last_version is not None:
             self.saved_check = self._check_save_pretrained(model)
 
     def _check_save_pretrained(self, model: torch.nn.Module) -> tuple[bool, str]:
         """Compares the bucket, as the replica replayed it, with what `save_pretrained` writes
-        for the trained model (its bf16 rounding, as published): names, shapes and bits."""
+        for the trained model (as published: its bf16 rounding, but what the model keeps in
+        float32): names, shapes and bits."""
         self.receiver.update(self.bucket)  # the last version (the trainer has closed its publisher)
         if self.receiver.version != self.sync.publisher.last_version:
             return False, f"no (the replica holds v{self.receiver.version}, not v{self.sync.publisher.last_version})"
@@ -170,14 +184,13 @@ class ReplicaCheck(TrainerCallback):
             name
             for name, tensor in saved.items()
             if tuple(tensor.shape) != tuple(bucket[name].shape)
-            or not torch.equal(
-                (tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor).view(torch.int16),
-                bucket[name].view(torch.int16),
-            )
+            or not torch.equal(bits(tensor.to(bucket[name].dtype)), bits(bucket[name]))
         ]
         if differing:
             return False, f"no ({len(differing)} of {len(saved)} tensors differ, e.g. {differing[0]!r})"
-        return True, f"yes ({len(saved)} tensors: names, shapes and bf16 bits)"
+        float32 = sum(tensor.dtype == torch.float32 for tensor in bucket.values())
+        kept = f", float32 for the {float32} the model keeps in float32" if float32 else ""
+        return True, f"yes ({len(saved)} tensors: names, shapes and bf16 bits{kept})"
 
     def _checkpoint_of(self, model: torch.nn.Module, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The trainer's weights as its checkpoint names and lays them out (fused MoE experts
@@ -187,7 +200,7 @@ class ReplicaCheck(TrainerCallback):
         return self.checkpoint.values(params)
 
     def _check_server(self, version: int, trainer_bits: dict[str, torch.Tensor]) -> None:
-        expected = model_checksum({name: tensor_checksum(bits) for name, bits in trainer_bits.items()})
+        expected = model_checksum({name: tensor_checksum(tensor) for name, tensor in trainer_bits.items()})
         behind = self.sync.replicas.wait(version, timeout=600)
         if behind:  # it refused the update (or never answered): nothing to compare
             for state in behind:
@@ -248,14 +261,23 @@ def load_models(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.nn.Mod
     if args.model is None:
         model, tokenizer = build_tiny_model(args.base_model_dir, seed=args.seed, dtype=torch.float32)
         replica, _ = build_tiny_model(seed=args.seed + 1)
-        return model, replica.to(torch.bfloat16), tokenizer
+        return model, as_loaded_in_bf16(replica.to(torch.bfloat16)), tokenizer
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     torch.manual_seed(args.seed + 1)  # random weights: the replica only matches once the first anchor lands
     replica = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model), dtype=torch.bfloat16)
-    return model, replica, tokenizer
+    return model, as_loaded_in_bf16(replica), tokenizer
+
+
+def as_loaded_in_bf16(model: torch.nn.Module) -> torch.nn.Module:
+    """A bf16 model built from its config, as `from_pretrained(dtype=torch.bfloat16)` would
+    hold it: what it keeps in float32 (a MoE router) in float32."""
+    weights = weights_of(model)
+    for name in kept_in_float32(model, weights):
+        weights[name].data = weights[name].data.float()
+    return model
 
 
 def server_verdict(check: ReplicaCheck) -> str:

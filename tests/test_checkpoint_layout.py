@@ -532,18 +532,23 @@ def test_a_lora_model_with_fused_experts_publishes_the_merged_checkpoint(tmp_pat
     assert_same_checkpoint(expected, dict(receiver.weights))
 
 
+def deepseek_v3_config():
+    """A tiny DeepSeek-V3: latent attention, a dense first layer, then four routed experts."""
+    return transformers.DeepseekV3Config(
+        hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2, first_k_dense_replace=1,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, q_lora_rank=16,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, num_attention_heads=2,
+        num_key_value_heads=2, vocab_size=96,
+    )  # fmt: skip
+
+
 def test_deepseek_v3_publishes_its_router_bias_a_buffer_no_optimizer_steps(tmp_path):
     """DeepSeek-V3's (and GLM-4.5's) checkpoint holds each MoE router's score correction
     bias, which transformers keeps as a buffer: anchors carry it like every checkpoint
     tensor, and a change made to it outside the optimizer (as auxiliary-loss-free load
     balancing does) reaches the next delta. The replayed bucket is save_pretrained of the
     trained model, and a transformers replica fed from it holds the same buffers."""
-    config = transformers.DeepseekV3Config(
-        hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2, first_k_dense_replace=1,
-        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, q_lora_rank=16,
-        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, num_attention_heads=2,
-        num_key_value_heads=2, vocab_size=96,
-    )  # fmt: skip
+    config = deepseek_v3_config()
     torch.manual_seed(0)
     model = transformers.DeepseekV3ForCausalLM(config).to(torch.bfloat16)
     bias_name = "model.layers.1.mlp.gate.e_score_correction_bias"

@@ -234,3 +234,71 @@ def test_values_of_another_dtype_than_the_header_names_are_refused(tmp_path, wei
     save_file(tensors, str(path), metadata=metadata)
     with pytest.raises(FormatError, match=f"{ROUTER}.values must be 1-D float32, got 1-D torch.bfloat16"):
         read_file(path)
+
+
+# -- the trainer side: what a model keeps in float32 is published in float32 ------------------
+
+
+def loaded_as_users_load_it(family: str, directory, seed: int = 0):
+    """A tiny `family` model written by `save_pretrained` and loaded back in bf16, as a
+    trainer loads one: transformers keeps its routers in float32."""
+    import transformers
+    from test_checkpoint_layout import FAMILIES, deepseek_v3_config
+
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV3ForCausalLM(deepseek_v3_config()) if family == "deepseek_v3" else FAMILIES[family]()
+    model.save_pretrained(directory)
+    return type(model).from_pretrained(directory, dtype=torch.bfloat16)
+
+
+def checkpoint_bits(expected: dict[str, torch.Tensor], actual) -> None:
+    """The same tensors in the same dtypes, bit for bit: float32 ones are not rounded."""
+    assert_same_bits(expected, {name: actual[name] for name in actual})
+
+
+@pytest.mark.parametrize("encoding", ["raw", "compact"])
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+def test_routers_a_model_keeps_in_float32_are_published_in_float32(family, encoding, tmp_path):
+    from safetensors.torch import load_file
+    from test_checkpoint_layout import _train
+
+    from delta_sync import BF16ChangeDetector, Publisher, expected_shapes_of, verify_bucket
+    from delta_sync.checkpoint import persistent_buffers
+
+    model = loaded_as_users_load_it(family, tmp_path / "base")
+    kept = {name for name, tensor in {**dict(model.named_parameters()), **persistent_buffers(model)}.items()
+            if tensor.dtype == torch.float32}  # fmt: skip
+    routers = {name for name in kept if name.endswith(("mlp.gate.weight", "mlp.gate.e_score_correction_bias"))}
+    assert routers and kept == routers, kept
+    # Off the bf16 grid, as auxiliary-loss-free balancing leaves a router bias.
+    for name in routers:
+        if name.endswith("bias"):
+            model.get_buffer(name).copy_(torch.randn(model.get_buffer(name).shape) * 1e-3 + 2**-20)
+    # Steps below most bf16 elements' rounding step, as fine-tuning takes them: deltas, not anchors.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    detector = BF16ChangeDetector(model, optimizer)
+    assert detector.float32 == routers
+    bucket = tmp_path / "bucket"
+    publisher = Publisher(
+        bucket, detector, anchor_every=3, anchor_bytes_ratio=None, background=False, encoding=encoding
+    )
+    replica = loaded_as_users_load_it(family, tmp_path / "replica-base", seed=1)
+    follower = Receiver(load_weights=module_weight_loader(replica), expected_shapes=expected_shapes_of(replica))
+    for version in range(1, 6):  # anchors at 1 and 4
+        _train(model, optimizer, steps=1, seed=version)
+        publisher.publish(version)
+        assert follower.update(bucket).version == version
+    delta = read_file(bucket / next(report.delta for report in reversed(publisher.reports) if report.delta))
+    # The routers' AdamW updates are mostly below a bf16 step: only float32 bits see them.
+    router = next(name for name in routers if name.endswith("weight"))
+    assert router in delta.header.shapes and delta.header.dtype(router) == torch.float32
+    publisher.close()
+    detector.close()
+    model.save_pretrained(tmp_path / "saved")
+    expected = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    assert {name for name, tensor in expected.items() if tensor.dtype == torch.float32} == routers
+    checkpoint_bits(expected, follower.weights)
+    for name in routers:
+        held = replica.get_parameter(name) if name.endswith("weight") else replica.get_buffer(name)
+        assert torch.equal(bits(held.detach()), bits(expected[name])), name
+    assert verify_bucket(bucket).ok

@@ -2,7 +2,9 @@
 name the checkpoint's per-expert tensors, while transformers trains the fused ones: Qwen3-MoE,
 Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3 and GLM-4.5. DeepSeek-V3 adds latent attention (vLLM
 derives matrices from `kv_b_proj` after loading); it and GLM-4.5 keep a router bias that
-transformers holds as a buffer.
+transformers holds as a buffer, and keep their routers in float32: the bucket carries them
+so, and the server that follows holds the router bias (float32 in vLLM too) as the saved
+checkpoint's float32 bits.
 
 The check needs no tolerance and no agreement between vLLM's MoE kernels and transformers':
 the server that followed the bucket and a server started on `save_pretrained` of the trained
@@ -11,6 +13,7 @@ model, same flags, give the same greedy tokens and the same prompt logprobs.
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 import pytest
@@ -116,6 +119,15 @@ FAMILIES = {
 #: Server options a row needs: vLLM's CPU kernels for latent attention (MLA) and for the gated
 #: delta net take bf16 only.
 SERVER_OPTIONS = {"deepseek_v3": {"dtype": "bfloat16"}, "qwen3_next": {"dtype": "bfloat16"}}
+#: The router tensors vLLM holds in float32 (as transformers does) that `/weight_checker` reads
+#: back: the score correction bias. GLM-4.5's router weight is float32 in vLLM too, but its CPU
+#: backend packs linear layers' weights for its GEMM, which then read back empty (the greedy
+#: tokens and logprobs against the fresh server cover it); vLLM 0.32 holds DeepSeek-V3's router
+#: weight in the model's dtype, rounding the saved float32 one as it loads it.
+SERVED_IN_FLOAT32 = {
+    "deepseek_v3": ("mlp.gate.e_score_correction_bias",),
+    "glm4_moe": ("mlp.gate.e_score_correction_bias",),
+}
 
 
 def build_checkpoint(family: str, path):
@@ -150,7 +162,13 @@ def tensor_parallel_model(request, tmp_path_factory):
 
 def test_a_server_following_per_expert_deltas_serves_the_saved_checkpoint(moe_model, bucket_root, tmp_path):
     family, model = moe_model
-    follow_then_compare(model, bucket_root, tmp_path, **SERVER_OPTIONS.get(family, {}))
+    follow_then_compare(
+        model,
+        bucket_root,
+        tmp_path,
+        served_in_float32=SERVED_IN_FLOAT32.get(family, ()),
+        **SERVER_OPTIONS.get(family, {}),
+    )
 
 
 @pytest.mark.timeout(2400)
@@ -167,14 +185,17 @@ def test_a_tensor_parallel_server_following_per_expert_deltas_serves_the_saved_c
         tmp_path,
         extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
         extra_args=["--tensor-parallel-size", "2"],
+        served_in_float32=SERVED_IN_FLOAT32.get(family, ()),
         **SERVER_OPTIONS.get(family, {}),
     )
 
 
-def follow_then_compare(model, bucket_root, tmp_path, **options) -> None:
+def follow_then_compare(model, bucket_root, tmp_path, served_in_float32: tuple[str, ...] = (), **options) -> None:
     """A server on `model` follows a bucket the trainer publishes (anchors, deltas, then a
     delta of one expert); its greedy tokens and prompt logprobs must equal those of a server
-    started, with the same `options`, on `save_pretrained` of the trained model.
+    started, with the same `options`, on `save_pretrained` of the trained model, and the
+    tensors it holds in float32 of those named `served_in_float32` (name suffixes) the saved
+    checkpoint's float32 bits.
 
     The two servers start while other work goes on (the follower while the trainer trains,
     the fresh one while the follower follows): a start is mostly one process importing
@@ -197,6 +218,11 @@ def follow_then_compare(model, bucket_root, tmp_path, **options) -> None:
     # Every version is published before the follower takes the first: none may be pruned.
     trainer = TinyTrainer(model, bucket_root / tmp_path.name, lr=1e-3, keep_anchors=10)
     try:
+        routers = sorted(trainer.detector.float32)  # DeepSeek-V3's and GLM-4.5's, kept in float32
+        with torch.no_grad():  # a score correction bias moved as auxiliary-loss-free balancing moves it
+            for name, buffer in trainer.model.named_buffers():
+                if name in routers:
+                    buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(1)) * 1e-3)
         published = []
         for _ in range(4):
             trainer.step()
@@ -218,7 +244,7 @@ def follow_then_compare(model, bucket_root, tmp_path, **options) -> None:
             assert list(changed) == [fused], sorted(changed)
         (layer,) = {_experts_of(name) for name in changed}
         saved = tmp_path / "saved"
-        trainer.model.to(torch.bfloat16).save_pretrained(saved)
+        trainer.save_published(saved)  # the routers DeepSeek-V3 and GLM-4.5 keep in float32, unrounded
         AutoTokenizer.from_pretrained(model).save_pretrained(saved)
         fresh = server(saved, "fresh").launch()
 
@@ -238,6 +264,9 @@ def follow_then_compare(model, bucket_root, tmp_path, **options) -> None:
         group = [name for name in checkpoint if _experts_of(name) == layer]
         assert loads and loads[-1] == str(len(group)), (loads, group)
 
+        if served_in_float32:
+            assert_served_unrounded(follower, saved, [name for name in routers if name.endswith(served_in_float32)])
+
         fresh.wait_healthy()
         assert (fresh.greedy(PROMPT), fresh.prompt_logprobs(PROMPT)) == followed
     finally:
@@ -245,6 +274,24 @@ def follow_then_compare(model, bucket_root, tmp_path, **options) -> None:
         for started in (follower, fresh):
             if started is not None:
                 started.stop()
+
+
+def assert_served_unrounded(server, saved, names: list[str]) -> None:
+    """The server holds the tensors `names` as the saved checkpoint's float32 bits (vLLM's
+    `/weight_checker` hashes a parameter's bytes in its own dtype), and they are float32,
+    non-zero and off the bf16 grid there (so a bf16 rounding anywhere on the way shows)."""
+    from safetensors.torch import load_file
+
+    assert names, "no tensor the server holds in float32 to check"
+    checkpoint = load_file(str(saved / "model.safetensors"))
+    served = server.weight_checksums()
+    for name in names:
+        tensor = checkpoint[name]
+        assert tensor.dtype == torch.float32, f"{name} is saved as {tensor.dtype}"
+        assert tensor.count_nonzero() > 0, f"{name} is zero"
+        assert not torch.equal(tensor, tensor.to(torch.bfloat16).float()), f"{name} lies on the bf16 grid"
+        digest = hashlib.sha256(tensor.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+        assert served[name] == digest, f"{name}: the server holds other bits than the saved float32 tensor"
 
 
 def _experts_of(name: str) -> str | None:

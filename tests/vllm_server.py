@@ -381,20 +381,39 @@ class TinyTrainer:
         return self.version
 
     def bf16(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach().to(torch.bfloat16) for name, p in self.model.named_parameters()}
+        """The parameters as published: bf16, but those the model keeps in float32."""
+        return {name: self._published(name, p) for name, p in self.model.named_parameters()}
+
+    def _published(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().to(torch.float32 if name in self.detector.float32 else torch.bfloat16)
 
     def checksum(self) -> str:
         return model_checksum({name: tensor_checksum(t) for name, t in self.bf16().items()})
 
     def reference(self):
-        """A float32 transformers model holding exactly the published bf16 weights."""
+        """A float32 transformers model holding exactly the published weights."""
         import copy
 
         reference = copy.deepcopy(self.model)
         with torch.no_grad():
-            for param in reference.parameters():
-                param.copy_(param.to(torch.bfloat16).float())
+            for name, param in reference.named_parameters():
+                param.copy_(self._published(name, param).float())
         return reference.eval()
+
+    def save_published(self, directory) -> None:
+        """`save_pretrained` of the model as published: bf16, but the tensors the model keeps
+        in float32 (a MoE router), which stay float32, as in a checkpoint its authors release."""
+        import copy
+
+        from delta_sync.checkpoint import persistent_buffers
+
+        published = copy.deepcopy(self.model).to(torch.bfloat16)
+        masters = {**dict(self.model.named_parameters()), **persistent_buffers(self.model)}
+        kept = {**dict(published.named_parameters()), **persistent_buffers(published)}
+        with torch.no_grad():
+            for name in self.detector.float32:
+                kept[name].data = masters[name].detach().clone()
+        published.save_pretrained(directory)
 
     def close(self) -> None:
         self.publisher.close()

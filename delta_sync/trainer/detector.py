@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from ..addresses import on_host
-from ..checkpoint import CheckpointLayout, canonical_name, check_checkpoint_names, persistent_buffers
+from ..checkpoint import CheckpointLayout, canonical_name, check_checkpoint_names, kept_in_float32, persistent_buffers
 from ..errors import UnservableModelError
 from ..format import SparseChange, index_dtype
 from ..parallel import parallel_map, shares
-from ..sparse import extract_changes_batched_, extract_changes_many_
+from ..sparse import extract_changes_batched_, extract_changes_many_, extract_float32_changes_
 from ..staging import HostBuffers
 from ..streams import caller_streams, on_streams
 from ..version import sparsity
@@ -129,7 +129,10 @@ class BF16ChangeDetector:
     patterns of the touched parameters with the snapshot, so changes accumulate over any
     number of steps between two calls (gradient accumulation, syncing every k steps),
     skipped steps (no hook fires) cost nothing, and nothing is missed. Parameters stored in
-    fp32 are compared through their bf16 rounding (`param.to(torch.bfloat16)`).
+    fp32 are compared through their bf16 rounding (`param.to(torch.bfloat16)`), but those
+    the model itself keeps in float32 (a transformers model's `_keep_in_fp32_modules_strict`:
+    DeepSeek-V3's and GLM-4.5's MoE routers), which are compared and published in float32,
+    unrounded ([`float32`]).
 
     Sharded parameters (FSDP2 `DTensor`s, DeepSpeed ZeRO-3 partitions) are compared on this
     rank's shard only, and the positions reported are those of the full checkpoint tensor
@@ -226,7 +229,13 @@ class BF16ChangeDetector:
         )
         self.checkpoint.published_layout(self.layout)  # refuses what cannot be published, before any step
         self._shards = self.layout.shards
-        self._snapshot = {name: self._bf16_copy(self._value(name)) for name in self._shards}
+        #: The parameters published in float32: those the model keeps in float32 (and holds so).
+        self.float32: frozenset[str] = frozenset(
+            name
+            for name in kept_in_float32(model if self.merged is None else self.merged.root, self._shards)
+            if self._value(name).dtype == torch.float32
+        )
+        self._snapshot = {name: self._snapshot_copy(name) for name in self._shards}
         if host_mirror is None:
             host_mirror = any(tensor.device.type != "cpu" for tensor in self._snapshot.values())
         #: The host copy of the snapshot, if kept (see `host_mirror`).
@@ -319,12 +328,13 @@ class BF16ChangeDetector:
 
     # -- snapshot ----------------------------------------------------------------------
 
-    def _bf16_copy(self, param: torch.Tensor) -> torch.Tensor:
-        data = local_tensor(param).detach()
+    def _snapshot_copy(self, name: str) -> torch.Tensor:
+        """A copy of what `name` publishes now, in the dtype it is published in."""
+        data = local_tensor(self._value(name)).detach()
         # Row-major whatever the parameter's strides: positions are those of the checkpoint tensor.
         return data.to(
             device=self._snapshot_device or data.device,
-            dtype=torch.bfloat16,
+            dtype=torch.float32 if name in self.float32 else torch.bfloat16,
             memory_format=torch.contiguous_format,
             copy=True,
         )
@@ -333,9 +343,11 @@ class BF16ChangeDetector:
         """What is published under `name` now: the parameter, or a PEFT model's merged weight."""
         return self._params[name] if self.merged is None else self.merged.value(name)
 
-    def _current_bf16(self, name: str) -> torch.Tensor:
+    def _current_bits(self, name: str) -> torch.Tensor:
+        """What `name` publishes now, as the bit patterns of the dtype it is published in."""
         snap = self._snapshot[name]
-        return local_tensor(self._value(name)).detach().to(device=snap.device, dtype=torch.bfloat16)
+        current = local_tensor(self._value(name)).detach().to(device=snap.device, dtype=snap.dtype)
+        return current.view(torch.int32 if snap.dtype == torch.float32 else torch.int16)
 
     @property
     def steps_pending(self) -> int:
@@ -372,14 +384,16 @@ class BF16ChangeDetector:
         self._touched.update(self._snapshot if names is None else (n for n in names if n in self._snapshot))
 
     def masks(self) -> dict[str, torch.Tensor]:
-        """Boolean masks `bf16(now) != snapshot`, bitwise, for the parameters steps touched.
+        """Boolean masks `bf16(now) != snapshot`, bitwise, for the parameters steps touched
+        (`now != snapshot` in float32 bits for those published in float32).
 
         Does not advance the snapshot. Parameters no step touched are absent (their mask is
         all false). Masks have the shape of this rank's block.
         """
         with self.snapshot_lock:
             return {
-                name: self._current_bf16(name).view(torch.int16) != self._snapshot[name].view(torch.int16)
+                name: self._current_bits(name)
+                != self._snapshot[name].view(torch.int32 if name in self.float32 else torch.int16)
                 for name in sorted(self._touched)
             }
 
@@ -391,7 +405,8 @@ class BF16ChangeDetector:
             int64 for parameters of 2^31 or more elements), new values and old values.
         """
         with self.snapshot_lock:
-            names = sorted(self._touched | (self._unhooked_names & self._snapshot.keys()))
+            touched = sorted(self._touched | (self._unhooked_names & self._snapshot.keys()))
+            names = [name for name in touched if name not in self.float32]
             found, declined = {}, {}
             # The pool threads queue their device work on the caller's streams: a loop that
             # trains under `torch.cuda.stream(s)` has its weights written on `s`.
@@ -413,6 +428,11 @@ class BF16ChangeDetector:
                     extract_changes_batched_(batch, old_values=self.mirror is None, host_buffers=self._host_buffers),
                 )
             )
+            for name in touched:
+                if name in self.float32:
+                    current = local_tensor(self._value(name))
+                    found[name] = extract_float32_changes_(current, self._snapshot[name], self._index_dtype(name))
+            names = touched
             extracted = [self._change(name, found[name]) for name in names]
             changes, old_values, local_indices = {}, {}, {}
             for name, (change, old, local) in zip(names, extracted):
