@@ -74,6 +74,7 @@ import statistics
 import struct
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -106,11 +107,15 @@ OPTIONS: dict[str, tuple[type, Any, Any, str]] = {
     "heads": (int, 4, 2, "attention heads (key/value heads: half as many)"),
     "vocab": (int, 4096, 512, "vocabulary"),
     "steps": (int, 8, 2, "AdamW steps, one delta each"),
+}
+#: The training options every MoE benchmark takes.
+TRAINING_OPTIONS: dict[str, tuple[type, Any, Any, str]] = {
     "lr": (float, 3e-6, 3e-6, "AdamW learning rate"),
     "batch": (int, 2, 2, "sequences per step"),
     "seq": (int, 16, 16, "tokens per sequence"),
     "seed": (int, 0, 0, "seed of the weights and tokens"),
 }
+OPTIONS |= TRAINING_OPTIONS
 #: `--real-experts`: experts of Qwen3-30B-A3B's shape (hidden 2048, each expert's
 #: intermediate 768), 16 of them per layer in 2 layers: headers and per-stream costs take the
 #: share of a delta they take at real sizes, on a model a CPU trains in seconds per step.
@@ -505,36 +510,62 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="experts of Qwen3-30B-A3B's shape (hidden 2048, expert intermediate 768): 2 layers x 16 experts, top-4",
     )
-    for name, (kind, default, quick, text) in OPTIONS.items():
-        also = "" if quick == default else f"; {quick} with --quick"
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, help=f"{text} (default {default}{also})")
-    parser.add_argument(
-        "--out", default=str(Path(__file__).parent / "results" / "models"), help="directory of results.json"
-    )
+    add_options(parser, OPTIONS, "models")
     args = parser.parse_args(argv)
-    preset = REAL_EXPERTS if args.real_experts else {}
-    for name, (_, default, quick, _) in OPTIONS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, preset.get(name, quick if args.quick else default))
+    fill_options(args, OPTIONS, REAL_EXPERTS if args.real_experts else {})
     if args.steps < 1 or not 1 <= args.top_k <= args.experts or args.hidden % args.heads:
         parser.error("need --steps >= 1, 1 <= --top-k <= --experts, and --hidden a multiple of --heads")
-    with tempfile.TemporaryDirectory(prefix="bench-models-") as tmp:
-        results: dict[str, Any] = {
-            "args": vars(args),
-            "machine": {
-                "device": "cpu",
-                "cpus": len(os.sched_getaffinity(0)),
-                "processor": platform.processor() or platform.machine(),
-                "torch": torch.__version__,
-                "transformers": transformers.__version__,
-            },
-            "reference": (
-                "run-time layout published by the same Publisher over a detector whose checkpoint layout is "
-                "replaced by CheckpointLayout.identity_of (delta-sync has no switch for it); its payload is "
-                "checked against the encoders applied to the detector's run-time ChangeSet directly"
-            ),
-            **run(args, Path(tmp)),
-        }
+    reference = (
+        "run-time layout published by the same Publisher over a detector whose checkpoint layout is "
+        "replaced by CheckpointLayout.identity_of (delta-sync has no switch for it); its payload is "
+        "checked against the encoders applied to the detector's run-time ChangeSet directly"
+    )
+    return measure(args, "models", reference, run, summarize, print_tables)
+
+
+def add_options(parser: argparse.ArgumentParser, options: dict[str, tuple[type, Any, Any, str]], name: str) -> None:
+    """`--name` for each of `options` (name -> type, default, default with --quick, meaning),
+    and `--out` (default `benchmarks/results/{name}`)."""
+    for option, (kind, default, quick, text) in options.items():
+        also = "" if quick == default else f"; {quick} with --quick"
+        parser.add_argument(f"--{option.replace('_', '-')}", type=kind, help=f"{text} (default {default}{also})")
+    parser.add_argument(
+        "--out", default=str(Path(__file__).parent / "results" / name), help="directory of results.json"
+    )
+
+
+def fill_options(
+    args: argparse.Namespace, options: dict[str, tuple[type, Any, Any, str]], preset: dict[str, Any]
+) -> None:
+    """The options not given: from `preset`, else their default (with `--quick`, its own)."""
+    for name, (_, default, quick, _) in options.items():
+        if getattr(args, name) is None:
+            setattr(args, name, preset.get(name, quick if args.quick else default))
+
+
+def cpu_machine() -> dict[str, Any]:
+    """The machine the figures come from."""
+    return {
+        "device": "cpu",
+        "cpus": len(os.sched_getaffinity(0)),
+        "processor": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def measure(
+    args: argparse.Namespace,
+    name: str,
+    reference: str,
+    run: Callable[[argparse.Namespace, Path], dict[str, Any]],
+    summarize: Callable[[dict[str, Any]], dict[str, Any]],
+    print_tables: Callable[[dict[str, Any]], None],
+) -> dict[str, Any]:
+    """`run` in a scratch directory, then its summary and tables; writes `args.out`/results.json."""
+    with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
+        results: dict[str, Any] = {"args": vars(args), "machine": cpu_machine(), "reference": reference}
+        results |= run(args, Path(tmp))
     results["summary"] = summarize(results)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
 """`benchmarks/bench_models.py --quick` runs end to end and writes a well-formed report: a
 tiny Qwen3-MoE published in its checkpoint layout (one tensor per expert) and in its run-time
 layout (fused experts). Its byte counts are checked for what must hold whatever the machine;
-its timings are reported, not asserted (tests check correctness, the benchmark measures)."""
+its timings are reported, not asserted (tests check correctness, the benchmark measures).
+`benchmarks/bench_routers.py --quick` likewise: a tiny DeepSeek-V3's float32 routers."""
 
 from __future__ import annotations
 
@@ -79,3 +80,35 @@ def test_bench_models_quick_writes_results(tmp_path):
     for target in targets:
         assert target["met"] == (target["value"] <= target["limit"])
         assert f"target: {target['name']}" in result.stdout
+
+
+@pytest.mark.timeout(600)
+def test_bench_routers_quick_writes_results(tmp_path):
+    """`benchmarks/bench_routers.py --quick`: a tiny DeepSeek-V3 whose routers travel in float32,
+    against the same model with its routers published through their bf16 rounding."""
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "bench_routers.py"), "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| per delta (mean) | float32 routers |" in result.stdout
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert report["model"]["float32_tensors"] == [
+        "model.layers.0.mlp.gate.e_score_correction_bias",
+        "model.layers.0.mlp.gate.weight",
+    ]
+    steps = report["steps"]
+    assert [row["version"] for row in steps] == [2, 3]
+    for row in steps:
+        # AdamW moves nearly every float32 bit pattern of the router, few bf16 ones.
+        assert 0 < row["router_changed_fraction"]["bf16"] < row["router_changed_fraction"]["float32"] <= 1
+        float32 = {encoding: row[encoding]["float32"] for encoding in ENCODINGS}
+        # A compact file holds float32 tensors as the raw file's entries.
+        assert float32["raw"]["router_entries"] == float32["compact"]["router_entries"] > 0
+        for encoding in ENCODINGS:
+            assert float32[encoding]["file"] > row[encoding]["bf16"]["file"]
+    (target,) = report["summary"]["targets"]
+    assert target["met"] == (target["value"] <= target["limit"])
+    assert f"target: {target['name']}" in result.stdout
