@@ -262,13 +262,20 @@ def test_the_batched_path_reports_old_values_with_or_without_a_host_mirror(dtype
     detector.close()
 
 
-def test_a_parameter_the_optimizer_does_not_hold_is_compared_whole(seeded):
+@pytest.mark.parametrize("held", [False, True], ids=["not-held", "held"])
+def test_a_parameter_the_optimizer_does_not_hold_is_compared_whole(seeded, held):
     """A frozen parameter moved outside the optimizer (ERNIE-4.5-MoE's router
     `moe_statics.e_score_correction_bias` is an `nn.Parameter` with `requires_grad=False`,
-    which auxiliary-loss-free balancing updates by hand) is published like a buffer."""
+    which auxiliary-loss-free balancing updates by hand) is published like a buffer: whether
+    the optimizer leaves it out (as transformers' Trainer does) or holds it without ever
+    stepping it (no gradient: no step hook sees it)."""
     model = TwoTower(torch.float32)
-    frozen = model.get_parameter("frozen.weight")  # requires_grad=False, so not in the optimizer
-    optimizer = make_optimizer("adamw", model, lr=1e-4)
+    frozen = model.get_parameter("frozen.weight")  # requires_grad=False
+    if held:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        assert any(param is frozen for param in optimizer.param_groups[0]["params"])
+    else:
+        optimizer = make_optimizer("adamw", model, lr=1e-4)
     detector = BF16ChangeDetector(model, optimizer)
     before = bf16_state(model)
     train_step(model, optimizer, seed=0, use_side=False)

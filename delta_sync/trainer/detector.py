@@ -268,17 +268,19 @@ class BF16ChangeDetector:
 
     def _index_names(self, *, strict: bool) -> None:
         self._params = checkpoint_tensors(self.model, self.merged)
-        # What no optimizer hook sees changes outside optimizer steps, if at all (buffers, and
-        # parameters the optimizer does not hold, e.g. a frozen router bias that auxiliary-loss-
-        # free balancing moves): compared whole at every `changes()`. A PEFT model's frozen base
-        # weights change through the adapter parameters that own them.
+        # What no optimizer hook sees changes outside optimizer steps, if at all (buffers;
+        # parameters the optimizer does not hold, or holds frozen, never stepping them: a
+        # frozen router bias that auxiliary-loss-free balancing moves): compared whole at
+        # every `changes()`. A PEFT model's frozen base weights change through the adapter
+        # parameters that own them.
         held = None
         if self.optimizer is not None and self.merged is None:
             held = {id(param) for param in self._optimizer_params()}
         self._unhooked_names = {
             name
             for name, tensor in self._params.items()
-            if not isinstance(tensor, nn.Parameter) or (held is not None and id(tensor) not in held)
+            if not isinstance(tensor, nn.Parameter)
+            or (held is not None and (id(tensor) not in held or not tensor.requires_grad))
         }
         if self.merged is not None:
             # LoRA parameters map to the served weight they change; base weights to theirs.
