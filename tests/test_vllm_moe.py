@@ -1,6 +1,7 @@
 """A real `vllm serve` (CPU) of a tiny MoE checkpoint follows a bucket whose anchors and deltas
 name the checkpoint's per-expert tensors, while transformers trains the fused ones: Qwen3-MoE,
-Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3 and GLM-4.5. DeepSeek-V3 adds latent attention (vLLM
+Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3, GLM-4.5, Qwen3-Next, PhiMoE (biases beside MoE layers)
+and gpt-oss (experts vLLM's loader writes past its weight loaders). DeepSeek-V3 adds latent attention (vLLM
 derives matrices from `kv_b_proj` after loading); it and GLM-4.5 keep a router bias that
 transformers holds as a buffer, and keep their routers in float32: the bucket carries them
 so, and the server that follows holds the router bias (float32 in vLLM too) as the saved
@@ -14,6 +15,7 @@ model, same flags, give the same greedy tokens and the same prompt logprobs.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 
 import pytest
@@ -115,10 +117,47 @@ FAMILIES = {
         "OlmoeForCausalLM",
         {"intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2},
     ),
+    # Experts fused on disk too (gate and up interleaved), with biases; attention sinks; vLLM's
+    # loader writes all of these with `param.copy_`, past the weight loaders its reload counts.
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {
+            "intermediate_size": 64,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 128,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
+    "granitemoe": (  # a router without bias, logits and residuals scaled by the config
+        "GraniteMoeConfig",
+        "GraniteMoeForCausalLM",
+        {"intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    # Biases on the attention projections, the layer norms and lm_head (vLLM's PhiMoE always
+    # builds them), and a sparse-mixer router.
+    "phimoe": (
+        "PhimoeConfig",
+        "PhimoeForCausalLM",
+        {
+            "intermediate_size": 64,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "attention_bias": True,
+            "lm_head_bias": True,
+        },
+    ),
 }
+#: vLLM's name for a family's architecture where it differs from the one transformers saves.
+VLLM_ARCHITECTURES = {"phimoe": "PhiMoEForCausalLM"}
 #: Server options a row needs: vLLM's CPU kernels for latent attention (MLA) and for the gated
 #: delta net take bf16 only.
-SERVER_OPTIONS = {"deepseek_v3": {"dtype": "bfloat16"}, "qwen3_next": {"dtype": "bfloat16"}}
+SERVER_OPTIONS = {
+    "deepseek_v3": {"dtype": "bfloat16"},
+    "qwen3_next": {"dtype": "bfloat16"},
+    "gpt_oss": {"dtype": "bfloat16"},  # vLLM's CPU backend serves gpt-oss's sinks attention in bf16
+}
 #: The router tensors vLLM holds in float32 (as transformers does) that `/weight_checker` reads
 #: back: the score correction bias. GLM-4.5's router weight is float32 in vLLM too, but its CPU
 #: backend packs linear layers' weights for its GEMM, which then read back empty (the greedy
@@ -141,6 +180,10 @@ def build_checkpoint(family: str, path):
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(**{**_LAYERS, **_ATTENTION, **arguments})
     getattr(transformers, model_class)(config).to(torch.bfloat16).save_pretrained(path)
+    if family in VLLM_ARCHITECTURES:
+        saved = json.loads((path / "config.json").read_text())
+        saved["architectures"] = [VLLM_ARCHITECTURES[family]]
+        (path / "config.json").write_text(json.dumps(saved, indent=2))
     build_tokenizer(512).save_pretrained(path)
     return path
 
@@ -219,12 +262,11 @@ def follow_then_compare(model, bucket_root, tmp_path, served_in_float32: tuple[s
     trainer = TinyTrainer(model, bucket_root / tmp_path.name, lr=1e-3, keep_anchors=10)
     try:
         routers = sorted(trainer.detector.float32)  # DeepSeek-V3's and GLM-4.5's, kept in float32
-        with torch.no_grad():  # a score correction bias moved as auxiliary-loss-free balancing moves it
-            for name, buffer in trainer.model.named_buffers():
-                if name in routers:
-                    buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(1)) * 1e-3)
+        balance_routers(trainer.model, routers, seed=1)
         published = []
-        for _ in range(4):
+        for step in range(4):
+            if step == 2:  # between two deltas: no optimizer step moves it (a buffer)
+                balance_routers(trainer.model, routers, seed=2)
             trainer.step()
             published.append(trainer.publisher.reports[-1])
         # A delta of one expert: the server must rebuild that layer from all its experts.
@@ -240,12 +282,15 @@ def follow_then_compare(model, bucket_root, tmp_path, served_in_float32: tuple[s
         if per_expert:  # one tensor per expert in the checkpoint: only expert 0's changed
             assert changed and all(".experts.0." in name for name in changed), sorted(changed)
             assert not any(name.endswith("gate_up_proj") for name in checkpoint)
-        else:  # every expert in one checkpoint tensor
-            assert list(changed) == [fused], sorted(changed)
+        else:  # every expert in one checkpoint tensor (GraniteMoE's `input_linear` on disk)
+            assert list(changed) == trainer.detector.checkpoint.checkpoint_names(fused), sorted(changed)
         (layer,) = {_experts_of(name) for name in changed}
         saved = tmp_path / "saved"
         trainer.save_published(saved)  # the routers DeepSeek-V3 and GLM-4.5 keep in float32, unrounded
         AutoTokenizer.from_pretrained(model).save_pretrained(saved)
+        served_as = json.loads((model / "config.json").read_text())["architectures"]
+        config = json.loads((saved / "config.json").read_text())
+        (saved / "config.json").write_text(json.dumps({**config, "architectures": served_as}, indent=2))
         fresh = server(saved, "fresh").launch()
 
         follower.wait_healthy()
@@ -265,7 +310,8 @@ def follow_then_compare(model, bucket_root, tmp_path, served_in_float32: tuple[s
         assert loads and loads[-1] == str(len(group)), (loads, group)
 
         if served_in_float32:
-            assert_served_unrounded(follower, saved, [name for name in routers if name.endswith(served_in_float32)])
+            saved_names = [name for router in routers for name in trainer.detector.checkpoint.checkpoint_names(router)]
+            assert_served_unrounded(follower, saved, [name for name in saved_names if name.endswith(served_in_float32)])
 
         fresh.wait_healthy()
         assert (fresh.greedy(PROMPT), fresh.prompt_logprobs(PROMPT)) == followed
@@ -274,6 +320,17 @@ def follow_then_compare(model, bucket_root, tmp_path, served_in_float32: tuple[s
         for started in (follower, fresh):
             if started is not None:
                 started.stop()
+
+
+def balance_routers(model, routers: list[str], seed: int) -> None:
+    """Move the score correction biases among `routers` off zero and off the bf16 grid, by
+    hand, as auxiliary-loss-free load balancing does."""
+    weights = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    with torch.no_grad():
+        for name in routers:
+            if name.endswith("e_score_correction_bias"):
+                shape = weights[name].shape
+                weights[name].copy_(torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 1e-3)
 
 
 def assert_served_unrounded(server, saved, names: list[str]) -> None:
@@ -295,39 +352,7 @@ def assert_served_unrounded(server, saved, names: list[str]) -> None:
 
 
 def _experts_of(name: str) -> str | None:
-    """The MoE layer (`...experts`) a checkpoint tensor of its experts belongs to."""
-    match = re.match(r"(.+\.experts)\.", name)
-    return match.group(1) if match else None
-
-
-def test_a_model_whose_vllm_loader_writes_past_the_reload_is_refused_not_served_stale(
-    tmp_path_factory, bucket_root, tmp_path
-):
-    """vLLM's gpt-oss loader writes its experts and attention sinks with `copy_`, past the weight
-    loaders vLLM's layerwise reload counts: a reload would put the old tensors back while the
-    replica reported the new version. The extension fails the load instead, naming them."""
-    import transformers
-
-    from tiny_model import build_tokenizer
-    from vllm_server import serving
-
-    model = tmp_path_factory.mktemp("gpt_oss-model")
-    config = transformers.GptOssConfig(
-        intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=128,
-        layer_types=["sliding_attention", "full_attention"], **_LAYERS, **_ATTENTION,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.GptOssForCausalLM(config).to(torch.bfloat16).save_pretrained(model)
-    build_tokenizer(512).save_pretrained(model)
-    trainer = TinyTrainer(model, bucket_root / tmp_path.name, lr=1e-3)
-    try:
-        with serving(model, tmp_path, allowed_buckets=bucket_root.as_uri(), dtype="bfloat16") as server:
-            trainer.step()
-            report = trainer.publisher.reports[-1]
-            response = server.update(trainer.bucket, report.anchor)
-            assert response.status_code == 500, response.text
-            assert "mlp.experts.routed_experts.w13_weight" in response.text, response.text
-            assert "past its weight loaders" in response.text, response.text
-            assert [status["version"] for status in server.rpc("delta_sync_status")] == [None]
-    finally:
-        trainer.close()
+    """The MoE layer (`...experts`, GraniteMoE's `...block_sparse_moe`) a checkpoint tensor of
+    its experts belongs to."""
+    match = re.match(r"(.+\.experts)\.|(.+\.block_sparse_moe)\.(?:input|output)_linear\.", name)
+    return (match.group(1) or match.group(2)) if match else None

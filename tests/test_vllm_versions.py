@@ -332,7 +332,8 @@ def test_a_failed_finish_on_032_ends_the_session_as_before(vllm032):
 @pytest.mark.slow
 def test_vllm_ext_calls_bind_to_both_releases_signatures(vllm032, vllm034):
     """`ModelLoader` calls the layerwise reload as `initialize_layerwise_reload(model)` and
-    `finalize_layerwise_reload(model, model_config)`, and the patch loader with
+    `finalize_layerwise_reload(model, model_config)`, its helpers for the layers it loads in
+    place (`get_layerwise_info(layer)`, `_place_kernel_tensors(layer, info)`, ...), and the patch loader with
     `max_chunk_bytes` and `validate_unique_indices`: each binds to both releases' functions
     (0.34 added the keyword-only `defer_processing`, whose default keeps 0.32's behaviour)."""
     import inspect
@@ -344,6 +345,13 @@ def test_vllm_ext_calls_bind_to_both_releases_signatures(vllm032, vllm034):
             (1, []),
             {"max_chunk_bytes": 1, "validate_unique_indices": False},
         ),
+        # A layer loaded in place, outside the reload (gpt-oss's experts), and the loaders the
+        # reload leaves wrapped.
+        ("model_executor/model_loader/reload/layerwise.py", "get_layerwise_info"): ((1,), {}),
+        ("model_executor/model_loader/reload/layerwise.py", "_place_kernel_tensors"): ((1, 2), {}),
+        ("model_executor/model_loader/reload/layerwise.py", "_copy_and_restore_kernel_tensors"): ((1, 2), {}),
+        ("model_executor/model_loader/reload/layerwise.py", "_get_original_loader"): ((1,), {}),
+        ("model_executor/model_loader/reload/utils.py", "get_layer_params_buffers"): ((1,), {}),
     }
     keyword_only = {}
     for package in (vllm032, vllm034):

@@ -369,14 +369,15 @@ def allowed_buckets_from_env() -> list[str] | None:
 #: A checkpoint tensor of a MoE layer's experts: one expert's, `<layer>.experts.<index>.<rest>`
 #: (Qwen3-MoE's `mlp.experts.3.up_proj.weight`, Mixtral's `block_sparse_moe.experts.3.w1.weight`),
 #: or every expert's at once, `<layer>.experts.<tensor>` (gpt-oss's `mlp.experts.gate_up_proj`
-#: and `mlp.experts.gate_up_proj_bias`).
-_EXPERT = re.compile(r"(.+\.experts)\.(?:\d+\.|[A-Za-z_]+$)")
+#: and `mlp.experts.gate_up_proj_bias`) or GraniteMoE's `block_sparse_moe.input_linear.weight`
+#: and `output_linear.weight`.
+_EXPERT = re.compile(r"(.+\.experts)\.(?:\d+\.|[A-Za-z_]+$)|(.+\.block_sparse_moe)\.(?:input|output)_linear\.weight$")
 
 
 def expert_group(name: str) -> str | None:
     """The MoE layer a checkpoint tensor of its experts belongs to (`...mlp.experts`), or None."""
     match = _EXPERT.match(name)
-    return match.group(1) if match else None
+    return (match.group(1) or match.group(2)) if match else None
 
 
 def expert_groups(names: Iterable[str]) -> dict[str, tuple[str, ...]]:

@@ -8,6 +8,7 @@ Where a checkpoint weight lives in the served model decides how it is written:
 | plain, otherwise (a tensor-parallel slice, a padded vocabulary) | the changed elements, through vLLM's checkpoint patch loader (`load_checkpoint_weight_patches`: checkpoint coordinates, the model's own `load_weights`, so slices and padding are vLLM's) |
 | none: `weight` is empty (the CPU backend prepacked the layer), held in a kernel's packed layout (the CPU backend's causal-conv weights of linear attention: Qwen3-Next's gated delta net), or quantized | the whole layer, through vLLM's layerwise reload, with its fused siblings |
 | a fused MoE layer's experts (`w13_weight`, `w2_weight`: every expert stacked, in the kernel's layout) | the whole layer, through vLLM's layerwise reload, with every expert's tensors from the snapshot (the engine completes the group) and the kernel's own processing run again (the CPU backend's prepack) |
+| a layer vLLM's loader writes past its weight loaders (gpt-oss's experts, their biases and the attention sinks: `param.copy_`), which a layerwise reload cannot see | the whole layer, in place, outside the layerwise reload (learned at the first load that finds one), then its own post-load processing (the CPU backend's prepack), its results copied into the tensors the kernel holds |
 | `kv_b_proj` of a multi-head latent attention layer (DeepSeek-V2/V3, Kimi K2), from which the attention derives its absorbed matrices after loading (and which the CPU kernels may then free) | the whole tensor (this worker's rows of it), then the attention layer's own post-load processing, which derives those matrices again (in place where it copies into them) |
 
 A direct write skips the model's `load_weights`, so it is used only for weights that
@@ -108,6 +109,10 @@ class ModelLoader:
         self._runtime_of: dict[str, str] = {}
         self._aliases: dict[str, str] = {}
         self._latent = _latent_attention_layers(model, self.shapes)
+        #: Layers vLLM's loader writes past their weight loaders (gpt-oss's experts and
+        #: attention sinks: `param.copy_`), by name: left out of the layerwise reload, loaded
+        #: in place and processed again here.
+        self._live: dict[str, torch.nn.Module] = {}
         #: Whether the last load ran to its end: after a failed load, the receiver's reload
         #: of the version served puts it back to True, and only then is the model whole.
         self.intact = True
@@ -129,6 +134,7 @@ class ModelLoader:
         # Both signatures: vLLM 0.34 added keyword-only options to these, with defaults that
         # keep 0.32's behaviour; its finalize also runs every module's post-load hook.
         initialize_layerwise_reload(self.model)
+        _left_out_of_the_reload(self._live.values())
         # Latent attention was processed when its projection was loaded (`_load_latent`);
         # vLLM's finalize would process every attention layer again, from a freed tensor.
         with _latent_attention_kept(self._latent.values()):
@@ -139,16 +145,64 @@ class ModelLoader:
             finally:
                 # Always leave the model runnable: a half-finished reload crashes the next request.
                 finalize_layerwise_reload(self.model, self.model_config)
+                _unwrap_reload_loaders(self.model.modules())
         if unseen:
-            # The reload puts such a layer's old tensors back: the model would serve them
-            # while the receiver reports the new version. Failing rolls the load back.
-            raise ApplyError(
-                f"vLLM's loader of {type(self.model).__name__} wrote {', '.join(unseen[:4])}"
-                f"{', ...' if len(unseen) > 4 else ''} past its weight loaders, where a layerwise reload "
-                "cannot see them: vLLM would keep serving the old values; this model cannot be reloaded in place"
+            # The reload put those layers' old tensors back. From now on they stay out of it
+            # and are written in place; this load runs again so that they are.
+            layers = sorted({name.rpartition(".")[0] for name in unseen})
+            if self._live.keys() >= set(layers):  # left out, and still unseen: nothing more to try
+                raise ApplyError(
+                    f"vLLM's loader of {type(self.model).__name__} wrote {', '.join(unseen[:4])}"
+                    f"{', ...' if len(unseen) > 4 else ''} past its weight loaders, and loading those layers "
+                    "in place did not reach them either: vLLM would keep serving the old values"
+                )
+            self._live |= {name: self.model.get_submodule(name) for name in layers}
+            logger.info(
+                "delta-sync: vLLM's loader writes %s past its weight loaders: %d layer(s) are loaded in place "
+                "and processed again, outside vLLM's layerwise reload",
+                ", ".join(unseen[:4]) + (", ..." if len(unseen) > 4 else ""),
+                len(layers),
             )
+            self(weights)
+            return
+        self._process_live(loaded)
         self._check_consumed([name for name, _ in weights], loaded)
         self.intact = True
+
+    def _process_live(self, loaded: Iterable[str] | None) -> None:
+        """Run the post-load processing of the live layers `loaded` wrote into (in place,
+        in the checkpoint's layout), as vLLM runs it once a model is loaded: the layer's
+        method's (a MoE layer's experts prepacked again), an attention layer's own.
+
+        Every tensor of such a layer must have been written: the engine completes a MoE
+        layer's group, and a layer processed from half-processed tensors would be wrong."""
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            _copy_and_restore_kernel_tensors,
+            get_layerwise_info,
+        )
+        from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
+
+        written = {name.rpartition(".")[0] for name in loaded or ()} & self._live.keys()
+        for name in sorted(written):
+            layer = self._live[name]
+            info = get_layerwise_info(layer)
+            # Processing may put new tensors in the layer: their values go back into the
+            # tensors the kernel holds, as vLLM's reload copies them.
+            info.kernel_tensors = get_layer_params_buffers(layer)
+            info.kernel_non_persistent_buffers = set(layer._non_persistent_buffers_set)
+            method = getattr(layer, "quant_method", None)
+            with torch.no_grad():
+                if isinstance(method, QuantizeMethodBase):
+                    with _experts_processed_as_at_load(layer):
+                        method.process_weights_after_loading(layer)
+                if is_deferred_attention_layer(layer):
+                    layer.process_weights_after_loading(self.model_config.dtype)
+                _copy_and_restore_kernel_tensors(layer, info)
+            info.reset()
+        if written:
+            logger.info("delta-sync: loaded %d layer(s) in place and processed them again", len(written))
 
     def load_patches(self, patches: list[WeightPatch]) -> None:
         """Write what changed where it lives; reload whole only what has no plain tensor."""
@@ -542,6 +596,38 @@ def _written_past_the_reload(model: torch.nn.Module, loaded: Any) -> list[str]:
         if info is not None and info.kernel_tensors is not None and info.load_numel == 0:
             unseen.append(name)
     return unseen
+
+
+def _left_out_of_the_reload(layers: Iterable[torch.nn.Module]) -> None:
+    """Put `layers` back as they were before `initialize_layerwise_reload` (their tensors, with
+    the loaders vLLM's reload wrapped on their stand-ins only), so that a load writes into them
+    in place and the reload's finalize leaves them be."""
+    from vllm.model_executor.model_loader.reload.layerwise import _place_kernel_tensors, get_layerwise_info
+
+    layers = list(layers)
+    for layer in layers:
+        info = get_layerwise_info(layer)
+        if info.kernel_tensors is not None:
+            _place_kernel_tensors(layer, info)
+        info.reset()
+    _unwrap_reload_loaders(layers)
+
+
+def _unwrap_reload_loaders(modules: Iterable[torch.nn.Module]) -> None:
+    """Give every tensor of `modules` back the weight loader vLLM's layerwise reload wrapped.
+
+    The reload wraps the loaders of the tensors it leaves in place (a layer's `bias`, never
+    moved to the meta device) and unwraps only those of the layers it loaded. A wrapper left
+    on a layer it did not load drops what is loaded into it afterwards ("excessive loading")
+    while `load_weights` reports it loaded: vLLM 0.32 kept PhiMoE's biases and layer norms'
+    biases at their old values after any reload of its MoE layers."""
+    from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader
+
+    for module in modules:
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            loader = getattr(tensor, "weight_loader", None)
+            if loader is not None and getattr(loader, "__name__", "") == "online_process_loader":
+                tensor.weight_loader = _get_original_loader(tensor)
 
 
 def _parameters_of(model: torch.nn.Module, kind: Callable[[torch.nn.Module], bool]) -> set[str]:
