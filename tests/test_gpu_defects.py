@@ -150,7 +150,10 @@ def test_the_examples_replica_check_compares_a_device_trainer_with_a_host_replic
 
     check = object.__new__(ReplicaCheck)
     check.sync = SimpleNamespace(
-        publisher=SimpleNamespace(last_version=1, flush=lambda: None), replicas=None, config=None
+        publisher=SimpleNamespace(last_version=1, flush=lambda: None),
+        detector=SimpleNamespace(float32=frozenset()),  # nothing kept in float32
+        replicas=None,
+        config=None,
     )
     check.bucket, check.replica, check.checkpoint = "unused", replica, None
     check.receiver = SimpleNamespace(update=lambda bucket: None, weights=weights)
