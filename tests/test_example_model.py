@@ -17,6 +17,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from helpers import raw_bits
+
 #: Tiny and fast: two layers of width 128, two attention heads of 64 sharing one KV head,
 #: four experts (two per token) in a mixture of experts.
 _WIDTH = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}
@@ -229,11 +231,7 @@ def assert_loads_as_its_checkpoint(replayed: dict[str, torch.Tensor], checkpoint
         # transformers keeps some tensors in float32 whatever it loads (DeepSeek-V3's router),
         # as the bucket carries them.
         assert again[name].dtype == tensor.dtype, name
-        assert torch.equal(bits(again[name]), bits(tensor)), f"{name} differs"
-
-
-def bits(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.view(torch.int16 if tensor.element_size() == 2 else torch.int32)
+        assert torch.equal(raw_bits(again[name]), raw_bits(tensor)), f"{name} differs"
 
 
 @pytest.mark.slow
@@ -274,7 +272,7 @@ def test_the_example_trains_a_checkpoint_and_its_bucket_is_save_pretrained(
     moved = [
         name
         for name, tensor in saved.items()
-        if not torch.equal(bits(tensor.to(replayed[name].dtype)), bits(replayed[name]))
+        if not torch.equal(raw_bits(tensor.to(replayed[name].dtype)), raw_bits(replayed[name]))
     ]
     assert moved, "no tensor changed in three steps"
     assert_loads_as_its_checkpoint(replayed, checkpoint)
